@@ -1,0 +1,20 @@
+# The two set-up commands of the README. Both install .venv first (scripts/install.sh; a no-op when up to date).
+VENV ?= .venv
+CONFIG ?= configs/demo.yaml
+
+.PHONY: demo test lab lint install
+
+install:
+	bash scripts/install.sh $(VENV)
+
+demo: install   ## the whole pipeline, headless, on the embedded default (SmolLM2-135M on the CPU)
+	$(VENV)/bin/eagle3 run --config $(CONFIG)
+
+test: install   ## the test suite (what CI runs)
+	$(VENV)/bin/python -m pytest -q --durations=15
+
+lab: install    ## the workbook in JupyterLab (127.0.0.1, with a token)
+	$(VENV)/bin/eagle3 lab
+
+lint: install
+	$(VENV)/bin/ruff check eagle3lib tests benchmarks scripts

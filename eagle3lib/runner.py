@@ -1,0 +1,77 @@
+"""Headless runs: execute the numbered notebooks in order with papermill, into the run directory.
+
+Why notebooks and not plain functions: the executed copy of each notebook (tables, plots, logs) is the record of
+the run a person reads afterwards, and the same page is what they step through in JupyterLab.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from eagle3lib.config import load_config
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import REPO_ROOT, RunDir
+from eagle3lib.stages import Stage, parse_selection
+from eagle3lib.target import describe_target, resolve_layer_ids, resolve_model_path
+
+KERNEL = "python3"  # the kernel of the interpreter that runs papermill: the workbook's venv
+
+
+def run_environment(rd: RunDir) -> dict[str, str]:
+    """Keep every cache and socket a run makes inside folders the run owns (vLLM, IPython, HF, temp files)."""
+    cache = rd.path(".cache")
+    env = {
+        "IPYTHONDIR": str(cache / "ipython"),
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "MPLCONFIGDIR": str(cache / "matplotlib"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+    }
+    for path in env.values():
+        if path.startswith(str(cache)):
+            Path(path).mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def preflight(config: str | Path | None, overrides: list[str]) -> RunDir:
+    """Everything that can be checked before a notebook starts: config, output folder, target path, layer ids."""
+    cfg = load_config(config, overrides)
+    rd = RunDir.create(cfg)
+    info = describe_target(resolve_model_path(cfg.target))
+    resolve_layer_ids(cfg.target.layer_ids, info.num_layers)
+    return rd
+
+
+def run_stages(config: str | Path | None, run: str | None = None, stages: str | None = None,
+               overrides: list[str] | None = None, log_output: bool = True) -> RunDir:
+    """Run the selected stages in order; stop at the first failure with the stage, the error and the notebook path."""
+    import papermill as pm
+
+    overrides = list(overrides or []) + ([f"run.name={run}"] if run else [])
+    config_path = str(Path(config).resolve()) if config else None
+    rd = preflight(config_path, overrides)
+    selected: list[Stage] = parse_selection(stages)
+    os.environ.update(run_environment(rd))
+    out_dir = rd.path("notebooks")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run '{rd.cfg.run.name}' → {rd.root}   stages: {' '.join(s.id for s in selected)}", flush=True)
+    for stage in selected:
+        out = out_dir / stage.notebook.name
+        t0 = time.time()
+        print(f"[{stage.key}] {stage.title} …", flush=True)
+        try:
+            pm.execute_notebook(
+                str(stage.notebook), str(out), kernel_name=KERNEL, cwd=str(REPO_ROOT),
+                parameters={"config": config_path, "run": rd.cfg.run.name, "overrides": list(overrides)},
+                log_output=log_output, progress_bar=False, stdout_file=sys.stdout if log_output else None,
+            )
+        except pm.PapermillExecutionError as e:
+            raise WorkbookError(
+                f"stage {stage.key} failed: {e.ename}: {e.evalue.strip()}",
+                f"read the executed notebook {out} (cell {e.exec_count}), fix the cause, rerun with --stages {stage.id}-",
+            ) from None
+        print(f"[{stage.key}] done in {time.time() - t0:.1f} s → {out}", flush=True)
+    return rd

@@ -1,0 +1,95 @@
+"""Hidden-state shards in the layout speculators 0.9 trains on, written atomically and validated on write and read.
+
+One shard per dataset row i: `<dataset>/hidden_states/hs_{i}.safetensors` holding
+    token_ids      int64 [T]            must equal the row's input_ids (speculators silently drops the row otherwise)
+    hidden_states  [T, n_aux + 1, H]    aux slots in layer-id order, then the final layer's PRE-norm output
+
+Why one validator for every backend: the seed's worst bug wrote a "successful" dataset with one layer of four kept
+and the rest flattened. Every writer (transformers, vLLM native, vLLM worker) goes through `write_shard`, which
+refuses such a tensor before it reaches the disk, and stage 03 re-runs the same checks over what is on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eagle3lib.atomic import atomic_path
+from eagle3lib.errors import WorkbookError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def shard_dir(dataset_dir: Path) -> Path:
+    return Path(dataset_dir) / "hidden_states"
+
+
+def shard_path(dataset_dir: Path, index: int) -> Path:
+    return shard_dir(dataset_dir) / f"hs_{index}.safetensors"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What every shard of one dataset must look like."""
+
+    n_slots: int  # aux layers + 1 final
+    hidden_size: int
+    dtype: torch.dtype
+
+
+def problems(token_ids: torch.Tensor, hidden_states: torch.Tensor, expected_ids: torch.Tensor | list[int] | None,
+             spec: ShardSpec) -> list[str]:
+    """Every way a (token_ids, hidden_states) pair is wrong for `spec`; empty when it is right."""
+    out: list[str] = []
+    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
+        out.append(f"token_ids must be int64 [T], got {token_ids.dtype} {list(token_ids.shape)}")
+    t = token_ids.shape[0] if token_ids.dim() >= 1 else -1
+    want_shape = [t, spec.n_slots, spec.hidden_size]
+    if list(hidden_states.shape) != want_shape:
+        out.append(f"hidden_states shape {list(hidden_states.shape)}, expected [T, n_aux+1, H] = {want_shape}")
+    if hidden_states.dtype != spec.dtype:
+        out.append(f"hidden_states dtype {hidden_states.dtype}, expected {spec.dtype}")
+    if expected_ids is not None:
+        expected = torch.as_tensor(expected_ids, dtype=torch.int64)
+        if expected.shape != token_ids.shape or not torch.equal(expected, token_ids.to(torch.int64)):
+            out.append(f"token_ids differ from the dataset row (len {token_ids.shape[0]} vs {expected.shape[0]})")
+    if not out:
+        if not torch.isfinite(hidden_states).all():
+            out.append("hidden_states hold NaN or inf")
+    return out
+
+
+def write_shard(dataset_dir: Path, index: int, token_ids: torch.Tensor, hidden_states: torch.Tensor,
+                expected_ids: torch.Tensor | list[int] | None, spec: ShardSpec) -> Path:
+    """Validate, then write atomically. A wrong tensor stops the run with the sample index and what was expected."""
+    token_ids = token_ids.to(torch.int64).contiguous()
+    found = problems(token_ids, hidden_states, expected_ids, spec)
+    if found:
+        raise WorkbookError(f"sample {index}: refusing to write an invalid shard: " + "; ".join(found),
+                            "this is a capture bug (wrong layer slicing or token alignment); nothing invalid was written")
+    path = shard_path(dataset_dir, index)
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        save_file({"token_ids": token_ids, "hidden_states": hidden_states.contiguous()}, str(tmp))
+    return path
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def check_shard_file(path: Path, expected_ids: torch.Tensor | list[int] | None, spec: ShardSpec) -> list[str]:
+    """The problems of a shard on disk (unreadable, missing keys, or any of `problems`). Used to resume and by 03."""
+    if not path.is_file():
+        return ["missing"]
+    try:
+        data = read_shard(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        return [f"unreadable ({e.__class__.__name__}: {str(e)[:80]})"]
+    missing = {"token_ids", "hidden_states"} - set(data)
+    if missing:
+        return [f"missing keys {sorted(missing)} (found {sorted(data)})"]
+    return problems(data["token_ids"], data["hidden_states"], expected_ids, spec)

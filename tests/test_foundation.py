@@ -1,0 +1,177 @@
+"""The spine: config validation, manifests, the GGUF conversion, the runner, bad input, clean notebooks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from eagle3lib.config import WorkbookConfig, load_config
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import REPO_ROOT, RunDir, open_stage
+from eagle3lib.stages import available_stages, get_stage, parse_selection
+from eagle3lib.target import describe_target, resolve_layer_ids
+
+CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load_and_round_trip(path):
+    cfg = load_config(path)
+    again = WorkbookConfig.model_validate(__import__("yaml").safe_load(cfg.to_yaml()))
+    assert again == cfg
+    assert again.section_hash(["target", "data"]) == cfg.section_hash(["data", "target"])
+
+
+def test_overrides_are_typed_and_dotted():
+    cfg = load_config(REPO_ROOT / "configs/demo.yaml", ["train.lr=3e-4", "target.layer_ids=[1, 2, 3]", "run.name=x"])
+    assert cfg.train.lr == pytest.approx(3e-4) and cfg.target.layer_ids == [1, 2, 3] and cfg.run.name == "x"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.bogus=1"], "unknown key 'train.bogus'"),
+        (["trian.lr=1"], "unknown key 'trian'"),
+        (["train.lr=fast"], "'train.lr'"),
+        (["target.layer_ids=[5, 3]"], "strictly increasing"),
+        (["extract.backend=onnx"], "'extract.backend'"),
+        (["extract.tensor_parallel_size=2"], "need extract.backend: vllm"),
+        (["novalue"], "has no '='"),
+    ],
+)
+def test_bad_config_gives_one_clear_line(overrides, expected):
+    with pytest.raises(WorkbookError) as err:
+        load_config(REPO_ROOT / "configs/demo.yaml", overrides)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(WorkbookError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(WorkbookError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_layer_ids_default_explicit_and_invalid():
+    assert resolve_layer_ids(None, 30) == [2, 15, 27, 30]
+    assert resolve_layer_ids([0, 1, 2], 4) == [0, 1, 2, 4]
+    with pytest.raises(WorkbookError, match="out of range"):
+        resolve_layer_ids([2, 40], 30)
+    with pytest.raises(WorkbookError, match="too few for the default") as err:
+        resolve_layer_ids(None, 4)
+    assert "target.layer_ids" in str(err.value)
+
+
+def test_manifest_written_read_and_config_drift_detected(out_root):
+    cfg = load_config(REPO_ROOT / "configs/demo.yaml", [f"run.output_root={out_root}"])
+    rd = RunDir.create(cfg)
+    stage02 = get_stage("02")
+    dataset = rd.path("dataset")
+    dataset.mkdir()
+    rd.write_manifest(stage02, started=0.0, outputs={"dataset": dataset}, metrics={"samples": 3})
+    manifest = rd.read_manifest("02")
+    assert manifest["outputs"]["dataset"] == "dataset" and manifest["metrics"]["samples"] == 3
+    assert rd.output("02", "dataset") == dataset
+    assert manifest["versions"]["torch"]
+    # a section stage 02 read changes: the manifest no longer matches
+    drifted = RunDir(rd.root, load_config(REPO_ROOT / "configs/demo.yaml",
+                                          [f"run.output_root={out_root}", "data.max_length=99"]))
+    with pytest.raises(WorkbookError, match="different config"):
+        drifted.read_manifest("02")
+    # a section it did not read changes: still fine
+    RunDir(rd.root, load_config(REPO_ROOT / "configs/demo.yaml", [f"run.output_root={out_root}", "train.lr=1"])
+           ).read_manifest("02")
+    with pytest.raises(WorkbookError, match="has not run"):
+        rd.read_manifest("04")
+
+
+def test_open_stage_requires_earlier_manifests(out_root):
+    with pytest.raises(WorkbookError, match="stage 02_extract_hidden_states has not run"):
+        open_stage("03", "configs/demo.yaml", "r1", [f"run.output_root={out_root}"])
+
+
+def test_stage_selection():
+    ids = [s.id for s in available_stages()]
+    assert ids[0] == "00" and ids == sorted(ids)
+    assert [s.id for s in parse_selection("00")] == ["00"]
+    with pytest.raises(WorkbookError, match="unknown stage"):
+        parse_selection("42")
+
+
+def test_gguf_conversion_gives_a_working_hf_model(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = describe_target(smollm2_dir)
+    assert (info.model_type, info.num_layers, info.hidden_size, info.vocab_size) == ("llama", 30, 576, 49152)
+    assert list(smollm2_dir.glob("*.safetensors")) and (smollm2_dir / "tokenizer.json").is_file()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert tok.chat_template
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_notebooks_are_committed_clean_with_a_parameters_cell():
+    for path in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), f"{path.name} has outputs"
+        params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+        assert len(params) == 1, f"{path.name} needs exactly one cell tagged 'parameters'"
+        assert nb.cells.index(params[0]) == next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+        for line in params[0].source.splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                assert line.count("=") == 1 and "#" in line, f"{path.name}: '{line}' (literal, one '=', a comment)"
+
+
+def _eagle3(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eagle3lib.cli", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=600)
+
+
+def test_runner_executes_stage_00_headless(out_root, smollm2_dir):
+    proc = _eagle3("run", "--config", "configs/demo.yaml", "--run", "t00", "--stages", "00", "-q",
+                   "-p", f"run.output_root={out_root}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = out_root / "t00"
+    executed = nbformat.read(run / "notebooks/00_environment.ipynb", as_version=4)
+    assert any("environment OK" in str(o) for c in executed.cells for o in c.get("outputs", []))
+    env = json.loads((run / "environment.json").read_text())
+    assert env["target"]["num_layers"] == 30 and env["layer_ids"] == [2, 15, 27, 30]
+    assert json.loads((run / "manifests/00_environment.json").read_text())["metrics"]["fails"] == 0
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (["target.model=/does/not/exist"], "target.model /does/not/exist does not exist"),
+        (["target.layer_ids=[2, 15, 40]"], "out of range"),
+        (["run.output_root=/proc/forbidden"], "is not writable"),
+    ],
+)
+def test_runner_bad_input_one_line(params, expected, out_root):
+    args = ["run", "--config", "configs/demo.yaml", "--stages", "00", "-q"]
+    for p in params:
+        args += ["-p", p]
+    proc = _eagle3(*args)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0] and "fix:" in lines[0], proc.stderr
+
+
+def test_stage_00_fails_the_run_when_disk_estimate_exceeds_free_space(out_root, smollm2_dir):
+    proc = _eagle3("run", "--config", "configs/demo.yaml", "--run", "huge", "--stages", "00", "-q",
+                   "-p", f"run.output_root={out_root}", "-p", "data.num_samples=100000000",
+                   "-p", "data.max_length=100000")
+    assert proc.returncode == 1
+    assert "stage 00_environment failed" in proc.stderr and "disk for hidden states" in proc.stderr
+    assert not (out_root / "huge/manifests/00_environment.json").exists()
