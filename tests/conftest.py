@@ -45,3 +45,83 @@ def out_root(tmp_path) -> Path:
     root = tmp_path / "outputs"
     root.mkdir()
     return root
+
+
+def reference_states(model, input_ids, layer_ids: list[int]):
+    """Hand computation of the layer convention with a plain transformers forward (the reference for every backend):
+    id k < N is hidden_states[k] (the residual stream entering layer k); id N is the last decoder layer's output
+    before the final norm, taken with a forward hook because transformers' last hidden_states entry is post-norm."""
+    import torch
+
+    captured = {}
+    layers = model.model.layers
+    handle = layers[-1].register_forward_hook(lambda m, a, out: captured.__setitem__(
+        "final", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.inference_mode():
+            out = model.model(input_ids=input_ids, output_hidden_states=True)
+    finally:
+        handle.remove()
+    n = len(layers)
+    slots = [out.hidden_states[k] if k < n else captured["final"] for k in layer_ids]
+    return torch.stack(slots, dim=-2)  # [B, T, n_slots, H]
+
+
+def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: int = 12, n_val: int = 4,
+                  seq_len: int = 48, layer_ids: list[int] | None = None, seed: int = 0):
+    """A run directory whose stage 02 outputs come from a real forward of a tiny random model (random token ids,
+    loss on the second half): lets stages 03-06 be tested without running stage 02. Returns (cfg, run_dir)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from eagle3lib import atomic, shards
+    from eagle3lib.config import load_config
+    from eagle3lib.rundir import RunDir
+    from eagle3lib.stages import get_stage
+    from eagle3lib.target import describe_target, resolve_layer_ids
+
+    info = describe_target(model_dir)
+    ids = resolve_layer_ids(layer_ids or [1, 2, 3], info.num_layers)
+    cfg = load_config(None, [f"run.output_root={out_root}", f"run.name={run}", f"target.model={model_dir}",
+                             f"target.layer_ids={ids[:-1]}", "data.self_distill=false", "train.dtype=float32",
+                             f"data.max_length={seq_len}", f"verifier.draft_vocab_size={min(256, info.vocab_size)}"])
+    rd = RunDir.create(cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    n = n_train + n_val
+    rows = torch.randint(0, info.vocab_size, (n, seq_len), generator=g)
+    # a little structure so a draft can learn something: every odd token repeats the previous one
+    rows[:, 1::2] = rows[:, 0::2]
+    states = reference_states(model, rows, ids).to(torch.bfloat16)
+    loss_mask = torch.zeros(n, seq_len, dtype=torch.int64)
+    loss_mask[:, seq_len // 2:] = 1
+    dataset_dir = rd.path("dataset")
+    spec = shards.ShardSpec(len(ids), info.hidden_size, torch.bfloat16)
+    for i in range(n):
+        shards.write_shard(dataset_dir, i, rows[i], states[i], rows[i], spec)
+    Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": loss_mask.tolist(), "seq_len": [seq_len] * n}
+                      ).save_to_disk(str(dataset_dir))
+    freq: dict[int, int] = {}
+    for tok in rows[:n_train][loss_mask[:n_train].bool()].tolist():
+        freq[tok] = freq.get(tok, 0) + 1
+    torch.save(freq, rd.path("token_freq.pt"))
+    prompts = [{"messages": [{"role": "user", "content": f"prompt {i}"}]} for i in range(n_val)]
+    atomic.write_text(rd.path("data/eval.jsonl"), "".join(__import__("json").dumps(p) + "\n" for p in prompts))
+    atomic.write_text(rd.path("data/train.jsonl"), "")
+    rd.write_manifest(get_stage("02"), started=0.0, outputs={
+        "dataset": dataset_dir, "token_freq": rd.path("token_freq.pt"), "eval_prompts": rd.path("data/eval.jsonl"),
+        "train_conversations": rd.path("data/train.jsonl"), "model_dir": str(model_dir)},
+        metrics={"samples": n, "train_rows": n_train, "val_rows": n_val, "tokens": n * seq_len,
+                 "bytes": int(states.numel() * 2), "layer_ids": ids, "hidden_size": info.hidden_size,
+                 "num_layers": info.num_layers, "vocab_size": info.vocab_size, "dtype": "bfloat16",
+                 "tokens_per_s": None})
+    return cfg, rd
+
+
+@pytest.fixture
+def tiny_run(tmp_path, tiny_llama_dir):
+    """(cfg, run_dir) with stage 02 done on the tiny random Llama; see make_tiny_run."""
+    root = tmp_path / "outputs"
+    root.mkdir(exist_ok=True)
+    return make_tiny_run(root, tiny_llama_dir)
