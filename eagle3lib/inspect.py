@@ -100,7 +100,7 @@ def check_shard(path: Path, row_ids: list[int] | torch.Tensor, seq_len: int | No
     try:
         data = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        return [f"unreadable ({e.__class__.__name__}: {str(e)[:80]})"], None
+        return [f"unreadable ({e.__class__.__name__}: {' '.join(str(e).split())[:80]})"], None
     missing = {"token_ids", "hidden_states"} - set(data)
     if missing:
         return [f"missing keys {sorted(missing)} (found {sorted(data)})"], None

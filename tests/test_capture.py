@@ -203,7 +203,7 @@ capture.finish(stage, capture.run(stage, progress=False))
 def test_sigkill_mid_run_then_rerun_keeps_shards_and_matches_an_uninterrupted_run(tmp_path, smollm2_dir):
     from datasets import load_from_disk
 
-    src = conversations_jsonl(tmp_path / "conv.jsonl", 64)
+    src = conversations_jsonl(tmp_path / "conv.jsonl", 40)
     over = stage_overrides(tmp_path / "out", src, "extract.writer_threads=1")
     config = str(REPO_ROOT / "configs/demo.yaml")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -213,7 +213,7 @@ def test_sigkill_mid_run_then_rerun_keeps_shards_and_matches_an_uninterrupted_ru
     deadline = time.time() + 150
     try:
         while time.time() < deadline and proc.poll() is None:
-            if sdir.is_dir() and len(list(sdir.glob("hs_*.safetensors"))) >= 6:
+            if sdir.is_dir() and len(list(sdir.glob("hs_*.safetensors"))) >= 4:
                 break
             time.sleep(0.02)
         assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read().decode()[-2000:]}"
@@ -222,7 +222,7 @@ def test_sigkill_mid_run_then_rerun_keeps_shards_and_matches_an_uninterrupted_ru
         proc.kill()
         proc.wait()
     before = {p.name: p.stat().st_mtime_ns for p in sdir.glob("hs_*.safetensors")}
-    assert 6 <= len(before) < 60
+    assert 4 <= len(before) < 36
     assert not (tmp_path / "out" / "killed" / "manifests" / "02_extract_hidden_states.json").exists()
 
     stage = open_stage("02", config, "killed", over)

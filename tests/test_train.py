@@ -14,7 +14,7 @@ from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import RunDir, StageRun
 from eagle3lib.stages import get_stage
 
-TRAIN_OVERRIDES = {"epochs": 3, "packing_length": 256, "lr": 3e-3}
+TRAIN_OVERRIDES = {"epochs": 2, "packing_length": 256, "lr": 3e-3}
 
 
 def with_train(cfg, **updates):
@@ -23,7 +23,7 @@ def with_train(cfg, **updates):
 
 @pytest.fixture
 def trained_run(tiny_run):
-    """The tiny run with stage 04 done by the real eagle3lib.verifier, then stage 05 trained for 3 epochs."""
+    """The tiny run with stage 04 done by the real eagle3lib.verifier, then stage 05 trained for 2 epochs."""
     from eagle3lib import verifier
 
     cfg, rd = tiny_run
@@ -89,18 +89,18 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     assert result["val_eal_untrained"] is not None
     assert result["val_eal"] > result["val_eal_untrained"]
     curves = json.loads(rd.path("draft", "curves.json").read_text())
-    assert [v["epoch"] for v in curves["val"]] == [-1, 0, 1, 2]
+    assert [v["epoch"] for v in curves["val"]] == [-1, 0, 1]
     step = curves["steps"][-1]
     for s in range(k):
         assert {f"loss_{s}", f"full_acc_{s}", f"cond_acc_{s}"} <= set(step)
     assert step["eal"] == pytest.approx(1 + sum(step[f"full_acc_{s}"] for s in range(k)))
-    assert len(curves["train_epochs"]) == 3 and result["global_step"] == len(curves["steps"])
+    assert len(curves["train_epochs"]) == 2 and result["global_step"] == len(curves["steps"])
     fig_path = rd.figure_path("05", "curves")
     train.plot_curves(curves, fig_path)
     assert fig_path.stat().st_size > 10_000
 
     # the checkpoint: what vLLM's eagle3 loader reads, and speculators reloads it with the trained weights
-    ckpt = rd.path("draft", "checkpoints", "2")
+    ckpt = rd.path("draft", "checkpoints", "1")
     assert result["checkpoint"] == str(ckpt)
     m02, m04 = rd.read_manifest("02")["metrics"], rd.read_manifest("04")["metrics"]
     check = dict(hidden_size=m02["hidden_size"], aux_layer_ids=m02["layer_ids"][:-1],
@@ -114,16 +114,27 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     assert torch.equal(model.fc.weight.to(saved["fc.weight"].dtype), saved["fc.weight"])
     assert not model.verifier_lm_head.weight.isnan().any()
 
-    # resume: one more epoch continues from checkpoint 2 (3 steps per epoch here), history kept
-    per_epoch = result["global_step"] // 3
-    result2 = train.train(RunDir(rd.root, with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 4})), progress=False)
+    # resume: one more epoch continues from checkpoint 1, history kept
+    per_epoch = result["global_step"] // 2
+    result2 = train.train(RunDir(rd.root, with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 3})), progress=False)
     assert result2["global_step"] == result["global_step"] + per_epoch
-    assert result2["checkpoint"].endswith("/3") and result2["epochs_done"] == 4
+    assert result2["checkpoint"].endswith("/2") and result2["epochs_done"] == 3
     curves2 = json.loads(rd.path("draft", "curves.json").read_text())
-    assert [v["epoch"] for v in curves2["val"]] == [-1, 0, 1, 2, 3]
+    assert [v["epoch"] for v in curves2["val"]] == [-1, 0, 1, 2]
     assert [s["step"] for s in curves2["steps"]] == list(range(1, result2["global_step"] + 1))
+
+    # a half-written epoch folder (killed during a save) is dropped; another recipe is refused, a longer run is not
+    save = rd.path("draft", "checkpoints")
+    (save / "9").mkdir()
+    (save / "9" / "config.json").write_text("{}")
+    n_draft = rd.read_manifest("04")["metrics"]["draft_vocab_size"]
+    assert train.prepare_checkpoint_dir(save, with_train(cfg, **TRAIN_OVERRIDES).train, n_draft) == ["9"]
+    assert not (save / "9").exists()
+    with pytest.raises(WorkbookError, match=r"other settings \(lr changed\)"):
+        train.prepare_checkpoint_dir(save, with_train(cfg, **{**TRAIN_OVERRIDES, "lr": 1e-3}).train, n_draft)
+    assert train.prepare_checkpoint_dir(save, with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 9}).train, n_draft) == []
 
     # the run directory moves: the checkpoint still loads (its verifier is the target, outside the run dir)
     moved = tmp_path / "elsewhere"
     shutil.move(str(rd.root), moved)
-    assert train.load_draft(moved / "draft" / "checkpoints" / "3") is not None
+    assert train.load_draft(moved / "draft" / "checkpoints" / "2") is not None

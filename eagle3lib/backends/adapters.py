@@ -100,6 +100,16 @@ class Adapter:
             "add the layer path of this architecture to eagle3lib/backends/adapters.py",
         )
 
+    def check_native_ids(self, layer_ids: list[int]) -> None:
+        """Ids vLLM's native extract_hidden_states cannot serve for this family. DeepseekV2/V3 in vLLM 0.32 computes
+        `hidden_states + residual` before layer 0, where residual is still None (TypeError from deepseek_v2.py)."""
+        if self.family.mla and 0 in layer_ids:
+            raise WorkbookError(
+                "vLLM's native extract_hidden_states fails for layer id 0 on DeepseekV2/V3-family targets "
+                "(it adds a residual that does not exist yet before layer 0)",
+                "use extract.strategy: worker, or aux layer ids >= 1 (the default [2, N//2, N-3] is fine)",
+            )
+
     def engine_kwargs(self, on_cpu: bool) -> dict[str, Any]:
         """vLLM engine settings this family needs. MLA on the CPU: vLLM's CPU rotary op is silently wrong for the
         3-D [tokens, heads, dim] q/k MLA passes (cos ~0.5, no error; FACTS), so its custom op is turned off and the

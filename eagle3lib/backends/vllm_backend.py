@@ -177,6 +177,27 @@ def request_batches(rows: list[tuple[int, list[int]]], budget: int) -> Iterator[
         yield batch
 
 
+def pipelined(batches: Iterator[Any], run: Any) -> Iterator[tuple[Any, Any, bool]]:
+    """(batch, run(batch), next_in_flight) with run(next batch) already going on a background thread while the
+    caller converts and yields this one: the engine keeps computing while states are decoded, validated and written.
+    Every engine call happens on that one thread, one at a time (an LLM is not safe to drive from two threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-vllm") as pool:
+        batch, fut = first, pool.submit(run, first)
+        while batch is not None:
+            result = fut.result()
+            nxt = next(it, None)
+            if nxt is not None:
+                fut = pool.submit(run, nxt)
+            yield batch, result, nxt is not None
+            batch = nxt
+
+
 def expect_replies(replies: Any, n_workers: int, what: str) -> list[dict[str, Any]]:
     """The replies of a collective_rpc, checked: a list of one dict per worker, none carrying an error. Anything else
     stops the run with the worker's own message (never a silent guess about the reply shape)."""
@@ -199,7 +220,8 @@ def expect_replies(replies: Any, n_workers: int, what: str) -> list[dict[str, An
 class VllmWorkerBackend:
     """Strategy `worker`: the workbook's capture worker hooks the decoder layers of a plain vLLM engine."""
 
-    def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], llm: Any = None):
+    def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], llm: Any = None,
+                 **engine_overrides: Any):
         self.cfg, self.model_dir, self.layer_ids = cfg, Path(model_dir), list(layer_ids)
         self.hf_config = read_hf_config(self.model_dir)
         self.adapter = select_adapter(self.hf_config)
@@ -212,6 +234,7 @@ class VllmWorkerBackend:
         if self.llm is None:
             kwargs = engine_kwargs(cfg, self.model_dir, self.adapter)
             kwargs["worker_extension_cls"] = WORKER_EXTENSION
+            kwargs.update(engine_overrides)
             self.llm = start_engine(kwargs)
         self.install(self.layer_ids)
 
@@ -228,13 +251,16 @@ class VllmWorkerBackend:
         return replies
 
     def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
-        budget = self.cfg.extract.vllm_request_tokens
-        for batch in request_batches(rows, budget):
-            outs = generate(self.llm, batch)
-            ids = [o.request_id for o in outs]
-            replies = expect_replies(self.llm.collective_rpc("eagle3_pop", args=(ids,)), self.n_workers,
-                                     "collecting captured states")
+        for batch, (ids, replies), _ in pipelined(request_batches(rows, self.cfg.extract.vllm_request_tokens),
+                                                  self._run):
             yield from self._assemble(batch, ids, replies)
+
+    def _run(self, batch: list[tuple[int, list[int]]]) -> tuple[list[str], list[dict[str, Any]]]:
+        """One generate call and the collection of its captures (both on the engine thread)."""
+        ids = [o.request_id for o in generate(self.llm, batch)]
+        replies = expect_replies(self.llm.collective_rpc("eagle3_pop", args=(ids,)), self.n_workers,
+                                 "collecting captured states")
+        return ids, replies
 
     def _assemble(self, batch: list[tuple[int, list[int]]], ids: list[str],
                   replies: list[dict[str, Any]]) -> Iterator[tuple[int, torch.Tensor]]:
@@ -280,8 +306,9 @@ class VllmWorkerBackend:
             self.llm = None
 
 
-def make_vllm_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int]) -> Any:
-    """The strategy `cfg.extract.strategy` names (native | worker), engine started and ready."""
+def make_vllm_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], **engine_overrides: Any) -> Any:
+    """The strategy `cfg.extract.strategy` names (native | worker), engine started and ready. `engine_overrides` go
+    straight to `vllm.LLM` (e.g. load_format="dummy" for a benchmark on random weights)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -290,10 +317,10 @@ def make_vllm_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int]
                             "transformers") from None
     t0 = time.perf_counter()
     if cfg.extract.strategy == "worker":
-        backend: Any = VllmWorkerBackend(cfg, model_dir, layer_ids)
+        backend: Any = VllmWorkerBackend(cfg, model_dir, layer_ids, **engine_overrides)
     else:
         from eagle3lib.backends.vllm_native import VllmNativeBackend
 
-        backend = VllmNativeBackend(cfg, model_dir, layer_ids)
+        backend = VllmNativeBackend(cfg, model_dir, layer_ids, **engine_overrides)
     backend.engine_start_s = time.perf_counter() - t0
     return backend

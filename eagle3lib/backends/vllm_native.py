@@ -34,6 +34,7 @@ from eagle3lib.backends.vllm_backend import (
     engine_kwargs,
     generate,
     on_cpu,
+    pipelined,
     prepare_environment,
     request_batches,
     start_engine,
@@ -43,6 +44,7 @@ from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
 from eagle3lib.shards import DTYPES
 from eagle3lib.target import read_hf_config
+
 
 def connector_config(out_dir: Path) -> dict[str, Any]:
     """kv_transfer_config for the hidden-states connector: upstream's where it works (CUDA), the compat registry's
@@ -82,12 +84,13 @@ def read_states_file(path: str, pump: Any = None, timeout_s: float = 600.0) -> d
 class VllmNativeBackend:
     """Strategy `native`: one engine with the extract_hidden_states method; a file per prompt, read and removed."""
 
-    def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int]):
+    def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], **engine_overrides: Any):
         self.cfg, self.model_dir, self.layer_ids = cfg, Path(model_dir), list(layer_ids)
         self.hf_config = read_hf_config(self.model_dir)
         self.adapter = select_adapter(self.hf_config)
         if on_cpu():
             check_cpu_support(self.adapter, self.hf_config)
+        self.adapter.check_native_ids(self.layer_ids)
         self.dtype = DTYPES[cfg.extract.dtype]
         self.out_dir = Path(cfg.extract.vllm_hidden_states_dir or cache_root(cfg) / "vllm_hidden_states")
         if self.out_dir.exists() and cfg.extract.vllm_hidden_states_dir is None:
@@ -99,27 +102,28 @@ class VllmNativeBackend:
         kwargs["speculative_config"] = speculative_config(self.layer_ids)
         kwargs["kv_transfer_config"] = connector_config(self.out_dir)
         kwargs.update(compat_engine_kwargs())
+        kwargs.update(engine_overrides)
         self.llm = start_engine(kwargs)
 
     def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
         n_slots = len(self.layer_ids)
-        for batch in request_batches(rows, self.cfg.extract.vllm_request_tokens):
-            outs = generate(self.llm, batch)
-            paths = []
-            for (row, _), out in zip(batch, outs, strict=True):
+        for batch, outs, busy in pipelined(request_batches(rows, self.cfg.extract.vllm_request_tokens),
+                                           lambda b: generate(self.llm, b)):
+            # in-process: while the next batch runs, its steps write these files; after the last one we step
+            pump = self.llm.llm_engine.step if self.in_process and not busy else None
+            for (row, token_ids), out in zip(batch, outs, strict=True):
                 params = out.kv_transfer_params or {}
                 if "hidden_states_path" not in params:
                     raise WorkbookError(f"row {row}: vLLM returned no hidden_states_path (kv_transfer_params="
                                         f"{params!r})", "is the hidden-states connector configured?")
-                paths.append(params["hidden_states_path"])
-            for (row, token_ids), path in zip(batch, paths, strict=True):
-                data = read_states_file(path, self.llm.llm_engine.step if self.in_process else None)
+                path = params["hidden_states_path"]
+                data = read_states_file(path, pump)
                 hs, tok = data.get("hidden_states"), data.get("token_ids")
                 if hs is None or tok is None:
                     raise WorkbookError(f"row {row}: {path} holds {sorted(data)}, expected hidden_states and token_ids",
                                         "this vLLM version changed the connector's file format")
                 t = len(token_ids)
-                if list(hs.shape[:2]) != [t, n_slots] or hs.dim() != 3:
+                if hs.dim() != 3 or list(hs.shape[:2]) != [t, n_slots]:
                     raise WorkbookError(f"row {row}: vLLM wrote hidden_states {list(hs.shape)}, expected "
                                         f"[{t}, {n_slots}, H]", "this vLLM version changed the connector's layout")
                 if tok.tolist() != list(token_ids):

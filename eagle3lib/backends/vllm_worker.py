@@ -195,7 +195,10 @@ class CaptureWorker:
             if stream.dim() != 2 or stream.shape[0] < total:
                 raise RuntimeError(f"capture worker: layer id {k} state has shape {list(stream.shape)}, expected "
                                    f"[>= {total} tokens, hidden] for this step")
-            cap.step[k] = stream[:total].to(cap.dtype)  # a new tensor: later in-place fused norms cannot touch it
+            kept = stream[:total].to(cap.dtype)
+            if kept.data_ptr() == stream.data_ptr():
+                kept = kept.clone()  # never keep a view: later layers' fused add-norms update their inputs in place
+            cap.step[k] = kept
         except BaseException:  # noqa: BLE001
             cap.errors.append(traceback.format_exc())
 

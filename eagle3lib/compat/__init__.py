@@ -140,6 +140,8 @@ def _row(patch: Patch, needed: bool | None, error: str | None = None) -> dict[st
         status = "error"
     elif patch.applied:
         status = "applied" if verified else "applied, NOT verified"
+    elif needed is None:
+        status = "not checked"
     elif needed:
         status = "needed, not applied" + (" (scope cli: use python -m eagle3lib.compat.vllm_cli)"
                                           if patch.scope == "cli" else "")
@@ -165,7 +167,7 @@ def apply_all(scopes: Iterable[str] = ("process", "worker"), names: Iterable[str
     for patch in list(PATCHES.values()):
         if (wanted is not None and patch.name not in wanted) or (wanted is None and patch.scope not in scopes):
             rows.append(_row(patch, None if not patch.applied else True))
-            if not patch.applied:
+            if not patch.applied and wanted is None:  # report whether it would be needed (e.g. scope cli)
                 try:
                     rows[-1]["needed"] = bool(patch.detect())
                     rows[-1]["status"] = _row(patch, rows[-1]["needed"])["status"]

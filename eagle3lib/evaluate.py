@@ -1,0 +1,445 @@
+"""Stage 06: how many tokens the target accepts per step with the trained draft, and what that does to speed.
+
+Three measures, reported the way vLLM reports them (see `speculative.Acceptance`): mean acceptance length
+tau = 1 + accepted / drafts, per-position rate = accepted at p / drafts, draft acceptance rate = accepted / drafted.
+
+- offline: the draft run teacher-forced over stored hidden states (no generation): over the validation rows of the
+  stage 02 dataset (the quick number), and over the target's own greedy continuations of the held-out prompts (which
+  makes it comparable with the two live measures: same prompts, same tokens).
+- embedded: `speculative.speculative_generate`, an exact greedy chain speculative decoder with the transformers
+  target; checked token for token against the target's plain greedy output on every prompt.
+- vllm: vLLM serving the target with the draft (method eagle3), its spec-decode counters, tokens/s against the same
+  prompts without the draft, and greedy outputs compared between the two (run in a child process).
+
+Held-out prompts only (stage 02's eval_prompts); k = evaluate.num_draft_tokens, and tau vs k for evaluate.sweep_k.
+Writes eval/results.json, figures/06_*.png and the run's report card report.md (eagle3lib.report).
+
+Headless: eagle3 run --config configs/demo.yaml --stages 06
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib import atomic
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import StageRun
+from eagle3lib.speculative import Acceptance
+
+# ------------------------------------------------------------------------------------------------------ inputs
+
+
+@dataclass
+class EvalInputs:
+    """What stage 06 reads, all from earlier manifests."""
+
+    model_dir: Path
+    checkpoint: Path
+    dataset_dir: Path
+    eval_prompts: Path
+    layer_ids: list[int]  # incl. the final id N
+    train_rows: int
+    val_rows: int
+    train_metrics: dict[str, Any]
+
+
+def inputs_from_run(stage: StageRun) -> EvalInputs:
+    rd = stage.rd
+    m02 = rd.read_manifest("02")
+    m05 = rd.read_manifest("05")
+    if "checkpoint" not in m05["outputs"]:
+        raise WorkbookError("stage 05 recorded no 'checkpoint'", "rerun stage 05 (it writes the final checkpoint)")
+    ckpt = Path(m05["outputs"]["checkpoint"])
+    ckpt = ckpt if ckpt.is_absolute() else rd.root / ckpt
+    model_dir = Path(m02["outputs"]["model_dir"])
+    return EvalInputs(model_dir=model_dir if model_dir.is_absolute() else rd.root / model_dir, checkpoint=ckpt,
+                      dataset_dir=rd.output("02", "dataset"), eval_prompts=rd.output("02", "eval_prompts"),
+                      layer_ids=list(m02["metrics"]["layer_ids"]), train_rows=int(m02["metrics"]["train_rows"]),
+                      val_rows=int(m02["metrics"]["val_rows"]), train_metrics=m05.get("metrics", {}))
+
+
+def pick_device(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def target_dtype(setting: str, device: str) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[setting]
+
+
+def load_tokenizer(model_dir: Path, tokenizer: str | None = None) -> Any | None:
+    """The target's tokenizer with a chat template, or None (tiny test targets ship none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser() if tokenizer else model_dir))
+    except (OSError, ValueError, TypeError):
+        return None
+    return tok if getattr(tok, "chat_template", None) else None
+
+
+def held_out_prompt_ids(inp: EvalInputs, tok: Any | None, limit: int | None) -> tuple[list[list[int]], str]:
+    """Token ids of the held-out prompts, rendered with the chat template and its generation prompt.
+
+    Without a tokenizer (tiny random test targets) the prompts are the prefixes (up to the first loss-masked token)
+    of the dataset's validation rows: also never trained on. Returns (prompt ids, where they came from).
+    """
+    if tok is not None:
+        prompts = []
+        for line in inp.eval_prompts.read_text().splitlines():
+            if line.strip():
+                prompts.append(json.loads(line)["messages"])
+        if not prompts:
+            raise WorkbookError(f"{inp.eval_prompts} holds no held-out prompts", "set data.eval_samples > 0, rerun 02")
+        prompts = prompts[:limit] if limit else prompts
+        ids = [list(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for p in prompts]
+        return ids, f"{len(ids)} held-out prompts ({inp.eval_prompts.name}), chat template"
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(inp.dataset_dir))
+    out = []
+    for i in range(inp.train_rows, inp.train_rows + inp.val_rows):
+        ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"]
+        first = next((j for j, v in enumerate(mask) if v), len(ids))
+        out.append(list(ids[: max(first, 1)]))
+    out = out[:limit] if limit else out
+    if not out:
+        raise WorkbookError("no tokenizer and no validation rows to take prompts from",
+                            "give the target a tokenizer with a chat template, or keep validation rows in stage 02")
+    return out, f"{len(out)} validation-row prefixes (the target has no tokenizer)"
+
+
+def eos_ids(target: Any, tok: Any | None) -> list[int]:
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    if eos is None and tok is not None:
+        eos = tok.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+
+
+def load_target(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+
+
+def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_new_tokens: int, eos: list[int],
+                 progress: bool = True) -> dict[str, Any]:
+    """Speculative decoding of every prompt, and the target's plain greedy output of the same prompts for both the
+    losslessness check and the baseline speed (batch 1 both: the decoder is batch 1)."""
+    from tqdm.auto import tqdm
+
+    from eagle3lib.speculative import greedy_generate, speculative_generate
+
+    acc = Acceptance(k)
+    spec_s = base_s = 0.0
+    spec_tok = base_tok = forwards = 0
+    identical = 0
+    per_prompt = []
+    bar = tqdm(prompts, desc=f"embedded k={k}", disable=not progress, unit="prompt")
+    for p in bar:
+        ref, secs = greedy_generate(target, p, max_new_tokens, eos_token_id=eos or None)
+        base_s += secs
+        base_tok += len(ref)
+        r = speculative_generate(target, draft, p, k, max_new_tokens, eos_token_id=eos or None)
+        spec_s += r.seconds
+        spec_tok += len(r.output_ids)
+        forwards += r.target_forwards
+        acc.merge(r.acceptance)
+        identical += int(r.output_ids == ref)
+        per_prompt.append({"prompt_len": len(p), "output_ids": r.output_ids, "verified_ids": r.verified_ids,
+                           "identical": r.output_ids == ref, "tau": r.acceptance.tau})
+        bar.set_postfix(tau=f"{acc.tau:.2f}", spec_tok_s=f"{spec_tok / max(spec_s, 1e-9):.0f}",
+                        base_tok_s=f"{base_tok / max(base_s, 1e-9):.0f}")
+    return {"acceptance": acc.to_dict(), "identical": identical, "prompts": len(prompts),
+            "spec_tokens_per_s": spec_tok / spec_s if spec_s else None,
+            "baseline_tokens_per_s": base_tok / base_s if base_s else None,
+            "speedup": (spec_tok / spec_s) / (base_tok / base_s) if spec_s and base_s and base_tok else None,
+            "target_forwards": forwards, "generated_tokens": spec_tok, "per_prompt": per_prompt}
+
+
+def run_offline_continuations(target: Any, draft: Any, prompts: list[list[int]], continuations: list[list[int]],
+                              ks: list[int]) -> dict[int, dict[str, Acceptance]]:
+    """Offline acceptance on the target's greedy continuations of the held-out prompts, for every k.
+
+    One target forward per prompt gives the aux states of prompt + continuation; the draft then runs
+    teacher-forced from every start position (no generation)."""
+    from eagle3lib.speculative import simulate_continuation, target_aux_for
+
+    total: dict[int, dict[str, Acceptance]] = {k: {"all": Acceptance(k), "path": Acceptance(k)} for k in ks}
+    for p, cont in zip(prompts, continuations, strict=True):
+        seq = list(p) + list(cont)
+        aux = target_aux_for(target, seq, draft.layer_ids)
+        for k, parts in simulate_continuation(draft, aux, seq, len(p), ks).items():
+            for name, a in parts.items():
+                total[k][name].merge(a)
+    return total
+
+
+def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int | None,
+                     progress: bool = True) -> tuple[dict[int, Acceptance], int]:
+    """Offline acceptance over the validation rows of the stage 02 dataset (stored states; the quick number)."""
+    from datasets import load_from_disk
+    from tqdm.auto import tqdm
+
+    from eagle3lib import shards
+    from eagle3lib.speculative import load_target_head, simulate_rows
+
+    ds = load_from_disk(str(inp.dataset_dir))
+    rows_idx = list(range(inp.train_rows, min(len(ds), inp.train_rows + inp.val_rows)))
+    if max_rows is not None:
+        rows_idx = rows_idx[:max_rows]
+    head = load_target_head(inp.model_dir)
+    n_aux = len(draft.layer_ids)
+
+    def rows():
+        for i in rows_idx:
+            data = shards.read_shard(shards.shard_path(inp.dataset_dir, i))
+            hs = data["hidden_states"].float()
+            if hs.shape[1] != n_aux + 1:
+                raise WorkbookError(f"shard {i} holds {hs.shape[1]} slots, the draft reads {n_aux} aux layers + final",
+                                    "evaluate with the draft trained on this run's stage 02 states")
+            yield (torch.as_tensor(ds[i]["input_ids"]), torch.as_tensor(ds[i]["loss_mask"]), hs)
+
+    bar = tqdm(total=len(rows_idx), desc="offline (validation rows)", disable=not progress, unit="row")
+    t0 = time.perf_counter()
+    seen = [0]
+
+    def tick(n_tokens: int) -> None:
+        seen[0] += n_tokens
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{seen[0] / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+    res = simulate_rows(draft, rows(), head, ks, progress=tick)
+    bar.close()
+    return res, len(rows_idx)
+
+
+def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
+             dtype: str, sweep: list[int] | None = None) -> dict[str, Any]:
+    """vLLM with and without the draft on the same prompts (child processes); counters, speed, identical outputs."""
+    from eagle3lib.vllm_spec import run_in_subprocess
+
+    longest = max(len(p) for p in prompts) + max_new_tokens + 8
+    base_job = {"target": str(inp.model_dir), "prompt_token_ids": prompts, "max_new_tokens": max_new_tokens,
+                "dtype": dtype, "max_model_len": max(256, longest)}
+    base = run_in_subprocess({**base_job, "draft": None, "k": 0}, workdir, "baseline")
+    runs: dict[int, dict[str, Any]] = {}
+    for kk in sorted(set([k] + list(sweep or []))):
+        runs[kk] = run_in_subprocess({**base_job, "draft": str(inp.checkpoint), "k": kk}, workdir, f"eagle3_k{kk}")
+    main = runs[k]
+    identical = sum(int(a == b) for a, b in zip(main["outputs"], base["outputs"], strict=True))
+    return {
+        "acceptance": Acceptance.from_dict(main["acceptance"]).to_dict(),
+        "sweep": {kk: Acceptance.from_dict(r["acceptance"]).to_dict() for kk, r in runs.items()},
+        "identical": identical, "prompts": len(prompts),
+        "spec_tokens_per_s": main["tokens_per_s"], "baseline_tokens_per_s": base["tokens_per_s"],
+        "speedup": main["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
+        "engine_start_s": {"baseline": base["engine_start_s"], "eagle3": main["engine_start_s"]},
+        "outputs": main["outputs"], "baseline_outputs": base["outputs"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+
+def plot_per_position(results: dict[str, Any], path: Path):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    methods = [m for m in results["by_method"] if results["by_method"][m]]
+    width = 0.8 / max(len(methods), 1)
+    for j, name in enumerate(methods):
+        rates = results["by_method"][name]["per_pos_rate"]
+        xs = [p + 1 + (j - (len(methods) - 1) / 2) * width for p in range(len(rates))]
+        ax.bar(xs, rates, width=width, label=f"{name} (tau {results['by_method'][name]['tau']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted at position / drafts")
+    ax.set_ylim(0, 1)
+    ax.set_title("per-position acceptance rate")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def plot_length_histogram(results: dict[str, Any], path: Path):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    methods = [m for m in results["by_method"] if results["by_method"][m]]
+    width = 0.8 / max(len(methods), 1)
+    for j, name in enumerate(methods):
+        hist = results["by_method"][name]["length_histogram"]
+        total = max(sum(hist), 1)
+        xs = [a + (j - (len(methods) - 1) / 2) * width for a in range(len(hist))]
+        ax.bar(xs, [h / total for h in hist], width=width, label=name)
+    ax.set_xlabel("accepted draft tokens in a step")
+    ax.set_ylabel("share of steps")
+    ax.set_title("accepted lengths")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def plot_tau_vs_k(results: dict[str, Any], path: Path):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, sweep in results["sweep"].items():
+        ks = sorted(int(k) for k in sweep)
+        ax.plot(ks, [sweep[str(k)]["tau"] if str(k) in sweep else sweep[k]["tau"] for k in ks], marker="o",
+                label=name)
+    ks_all = sorted({int(k) for s in results["sweep"].values() for k in s})
+    if ks_all:
+        ax.plot(ks_all, [k + 1 for k in ks_all], ls=":", color="grey", label="ideal (all accepted)")
+    ax.set_xlabel("k (draft tokens per step)")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("mean acceptance length vs k")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def plot_speedup(results: dict[str, Any], path: Path):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names, base, spec = [], [], []
+    for name in ("embedded", "vllm"):
+        r = results.get(name)
+        if r and r.get("baseline_tokens_per_s"):
+            names.append(name)
+            base.append(r["baseline_tokens_per_s"])
+            spec.append(r["spec_tokens_per_s"])
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], base, width=0.4, label="target alone")
+    ax.bar([x + 0.2 for x in xs], spec, width=0.4, label="with the draft")
+    for x, b, s in zip(xs, base, spec, strict=True):
+        ax.text(x + 0.2, s, f"x{s / b:.2f}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("speed with and without the draft (greedy, same prompts)")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------------ stage
+
+
+def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
+    """Run every configured method; write eval/results.json. Returns the results (figures and report separately)."""
+    from eagle3lib.speculative import load_draft
+
+    cfg = stage.cfg.evaluate
+    inp = inputs_from_run(stage)
+    device = pick_device(cfg.device)
+    dtype = target_dtype(stage.cfg.target.dtype, device)
+    k = cfg.num_draft_tokens
+    ks = sorted(set(cfg.sweep_k) | {k})
+    t_all = time.perf_counter()
+    draft = load_draft(inp.checkpoint, device=device, dtype=dtype)
+    if list(draft.layer_ids) != list(inp.layer_ids[:-1]):
+        raise WorkbookError(f"the draft reads aux layers {draft.layer_ids}, stage 02 captured {inp.layer_ids[:-1]}",
+                            "evaluate the draft trained on this run (or rerun stage 05)")
+    tok = load_tokenizer(inp.model_dir, stage.cfg.target.tokenizer)
+    prompts, prompt_source = held_out_prompt_ids(inp, tok, cfg.num_prompts)
+    results: dict[str, Any] = {"k": k, "sweep_k": ks, "prompt_source": prompt_source, "prompts": len(prompts),
+                               "max_new_tokens": cfg.max_new_tokens, "device": device, "dtype": str(dtype),
+                               "checkpoint": str(inp.checkpoint), "target": str(inp.model_dir), "by_method": {},
+                               "sweep": {}, "seconds": {}}
+    target = None
+    if "embedded" in cfg.methods or "offline" in cfg.methods:
+        target = load_target(inp.model_dir, device, dtype)
+    eos = eos_ids(target, tok) if target is not None else []
+    if "offline" in cfg.methods and inp.val_rows > 0:
+        t0 = time.perf_counter()
+        rows_acc, n_rows = run_offline_rows(draft, inp, ks, cfg.offline_max_rows, progress=progress)
+        results["offline_rows"] = {"rows": n_rows, "acceptance": rows_acc[k].to_dict(),
+                                   "sweep": {kk: a.to_dict() for kk, a in rows_acc.items()}}
+        results["by_method"]["offline (validation rows)"] = rows_acc[k].to_dict()
+        results["sweep"]["offline (validation rows)"] = {str(kk): a.to_dict() for kk, a in rows_acc.items()}
+        results["seconds"]["offline_rows"] = round(time.perf_counter() - t0, 2)
+    continuations: list[list[int]] | None = None
+    if "embedded" in cfg.methods:
+        t0 = time.perf_counter()
+        emb = run_embedded(target, draft, prompts, k, cfg.max_new_tokens, eos, progress=progress)
+        results["embedded"] = {key: v for key, v in emb.items() if key != "per_prompt"}
+        results["by_method"]["embedded"] = emb["acceptance"]
+        continuations = [r["verified_ids"] for r in emb["per_prompt"]]
+        results["embedded_outputs"] = [r["output_ids"] for r in emb["per_prompt"]]
+        results["seconds"]["embedded"] = round(time.perf_counter() - t0, 2)
+    if "offline" in cfg.methods:
+        t0 = time.perf_counter()
+        if continuations is None:  # no decoder run: the target's plain greedy continuations
+            from eagle3lib.speculative import greedy_generate
+
+            continuations = [greedy_generate(target, p, cfg.max_new_tokens, eos or None)[0] for p in prompts]
+        sim = run_offline_continuations(target, draft, prompts, continuations, ks)
+        results["offline_heldout"] = {str(kk): {n: a.to_dict() for n, a in parts.items()} for kk, parts in sim.items()}
+        results["by_method"]["offline (held-out, all starts)"] = sim[k]["all"].to_dict()
+        results["by_method"]["offline (held-out, decoder path)"] = sim[k]["path"].to_dict()
+        results["sweep"]["offline (held-out, decoder path)"] = {str(kk): sim[kk]["path"].to_dict() for kk in ks}
+        results["sweep"]["offline (held-out, all starts)"] = {str(kk): sim[kk]["all"].to_dict() for kk in ks}
+        results["seconds"]["offline_heldout"] = round(time.perf_counter() - t0, 2)
+    del target
+    if "vllm" in cfg.methods:
+        t0 = time.perf_counter()
+        vdtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        live = run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"), vdtype,
+                        sweep=ks if cfg.vllm_sweep else None)
+        results["vllm"] = {key: v for key, v in live.items() if key not in ("outputs", "baseline_outputs", "sweep")}
+        results["by_method"]["vllm"] = live["acceptance"]
+        if cfg.vllm_sweep:
+            results["sweep"]["vllm"] = {str(kk): a for kk, a in live["sweep"].items()}
+        if "embedded_outputs" in results:
+            results["vllm"]["identical_to_embedded"] = sum(
+                int(a == b) for a, b in zip(live["baseline_outputs"], results["embedded_outputs"], strict=True))
+        results["seconds"]["vllm"] = round(time.perf_counter() - t0, 2)
+    results["seconds"]["total"] = round(time.perf_counter() - t_all, 2)
+    atomic.write_json(stage.rd.path("eval", "results.json"), results)
+    return results
+
+
+def figures(stage: StageRun, results: dict[str, Any]) -> dict[str, Any]:
+    """The four figures (PNG in the run's figures/); returns {name: (path, fig)}."""
+    out = {}
+    for name, fn in (("per_position", plot_per_position), ("accepted_lengths", plot_length_histogram),
+                     ("tau_vs_k", plot_tau_vs_k), ("speedup", plot_speedup)):
+        path = stage.rd.figure_path("06", name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out[name] = (path, fn(results, path))
+    return out
+
+
+def summary_table(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: tau, draft acceptance rate, per-position rates, drafts (what the notebook shows)."""
+    rows = []
+    for name, a in results["by_method"].items():
+        rows.append({"method": name, "tau": a["tau"], "draft_acceptance_rate": a["draft_acceptance_rate"],
+                     "per_pos_rate": a["per_pos_rate"], "drafts": a["drafts"]})
+    return rows
+
+
+def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
+    m: dict[str, Any] = {"k": results["k"], "prompts": results["prompts"],
+                         "tau": {name: a["tau"] for name, a in results["by_method"].items()}}
+    for name in ("embedded", "vllm"):
+        if name in results:
+            m[f"{name}_speedup"] = results[name].get("speedup")
+            m[f"{name}_identical"] = f"{results[name]['identical']}/{results[name]['prompts']}"
+    return m
