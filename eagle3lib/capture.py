@@ -361,6 +361,9 @@ def run_prepared(stage: Any, prepared: Any, layer_ids: list[int], the_plan: dict
     n_bytes = sum(p.stat().st_size for p in shards.shard_dir(dataset_dir).glob("hs_*.safetensors"))
     metrics = {
         "samples": len(prepared), "train_rows": prepared.n_train, "val_rows": prepared.n_val,
+        # speculators splits at int(samples * train_ratio): n_train / samples can land one row short in floating
+        # point (e.g. 15/22); half a row more always lands on n_train exactly
+        "train_ratio": (prepared.n_train + 0.5) / len(prepared) if prepared.n_val else 1.0,
         "tokens": prepared.tokens, "loss_tokens": the_plan["loss_tokens"], "bytes": n_bytes,
         "layer_ids": layer_ids, "hidden_size": info.hidden_size, "num_layers": info.num_layers,
         "vocab_size": info.vocab_size, "dtype": cfg.extract.dtype, "backend": cfg.extract.backend,

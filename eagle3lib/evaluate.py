@@ -203,13 +203,14 @@ def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int |
     rows_idx = list(range(inp.train_rows, min(len(ds), inp.train_rows + inp.val_rows)))
     if max_rows is not None:
         rows_idx = rows_idx[:max_rows]
-    head = load_target_head(inp.model_dir)
+    norm_w, lm_head, eps = load_target_head(inp.model_dir)
+    head = (norm_w.to(draft.device), lm_head.to(draft.device), eps)  # the argmax over the vocab runs where the draft does
     n_aux = len(draft.layer_ids)
 
     def rows():
         for i in rows_idx:
             data = shards.read_shard(shards.shard_path(inp.dataset_dir, i))
-            hs = data["hidden_states"].float()
+            hs = data["hidden_states"].to(draft.device, torch.float32)
             if hs.shape[1] != n_aux + 1:
                 raise WorkbookError(f"shard {i} holds {hs.shape[1]} slots, the draft reads {n_aux} aux layers + final",
                                     "evaluate with the draft trained on this run's stage 02 states")

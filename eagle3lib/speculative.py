@@ -441,7 +441,7 @@ def simulate_rows(draft: Draft, rows: Sequence[tuple[torch.Tensor, torch.Tensor,
     for ids, mask, hs in rows:
         L = ids.shape[0]
         aux = hs[:, :-1].flatten(1)
-        greedy_next = greedy_from_final(hs[:, -1], head)
+        greedy_next = greedy_from_final(hs[:, -1], head).cpu()
         starts = torch.nonzero(mask[1:].bool()).flatten()  # x_{i+1} is an assistant token -> start i
         starts = starts[starts + 1 < L - 1]
         if starts.numel():

@@ -523,9 +523,13 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
         }
         resumed = start_epoch > 0 or trainer.global_step > 0
         if not resumed:
-            # the untrained draft's validation: the baseline every later epoch must beat
-            curves["val"].append({"epoch": -1, "step": 0, **_summary(trainer.val_epoch(-1) or {}, tcfg.ttt_steps,
-                                                                       "_epoch")})
+            # the untrained draft's validation: the baseline every later epoch must beat. (Sampler epoch 0: the
+            # packing sampler's empty cache is keyed -1, and validation batches do not depend on the epoch anyway.)
+            untrained = trainer.val_epoch(0)
+            if not untrained:
+                raise WorkbookError("validating the untrained draft produced no batches",
+                                    "check that stage 02's validation rows have hidden-state shards")
+            curves["val"].append({"epoch": -1, "step": 0, **_summary(untrained, tcfg.ttt_steps, "_epoch")})
         steps_per_epoch = len(train_loader)
         total = steps_per_epoch * tcfg.epochs if tcfg.max_steps is None else min(tcfg.max_steps,
                                                                                   steps_per_epoch * tcfg.epochs)

@@ -165,7 +165,8 @@ def test_stage_output_is_read_by_speculators_without_dropping_a_row(tmp_path, sm
     assert (m["samples"], m["train_rows"], m["val_rows"], m["layer_ids"]) == (20, 18, 2, [2, 15, 27, 30])
     assert m["tokens"] > 20 * 30 and m["bytes"] > m["tokens"] * 4 * 576 * 2 and m["tokens_per_s"] > 0
     ds_dir = stage.rd.output("02", "dataset")
-    ratio = m["train_rows"] / m["samples"]
+    ratio = m["train_ratio"]
+    assert int(m["samples"] * ratio) == m["train_rows"]
     for split in ("train", "val"):
         ds = ArrowDataset(max_len=128, datapath=ds_dir, on_missing="raise", train_ratio=ratio, split=split)
         assert len(ds) == (18 if split == "train" else 2)

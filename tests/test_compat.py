@@ -371,3 +371,19 @@ def test_stage_fails_naming_a_broken_contract_the_backend_needs(clean, out_root,
         report.run(_stage(out_root))
     # the same contract does not block a configuration that does not need it
     assert "transformers" not in compat.required_tags(_stage(out_root, "extract.backend=vllm").cfg)
+
+
+def test_required_tags_follow_the_configured_backend(tmp_path):
+    import json
+
+    from eagle3lib.config import load_config
+
+    demo = compat.required_tags(load_config(REPO / "configs/demo.yaml"))
+    assert {"transformers", "transformers-gguf", "speculators"} <= demo and "vllm" not in demo
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"],
+                                                 "vision_config": {}}))
+    tags = compat.required_tags(load_config(None, ["extract.backend=vllm", "extract.strategy=native",
+                                                   f"target.model={vlm}", "evaluate.methods=[vllm]"]))
+    assert {"vllm", "vllm-native", "evaluate-vllm", "vllm-vlm"} <= tags and "transformers" not in tags

@@ -54,7 +54,7 @@ def _final_prenorm(target, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return aux_states(out.hidden_states, AUX_IDS)[0], cap["f"][0]
 
 
-def train_tiny_draft(target_dir: Path, out: Path, prompts: torch.Tensor, new_tokens: int = 32, steps: int = 60) -> Path:
+def train_tiny_draft(target_dir: Path, out: Path, prompts: torch.Tensor, new_tokens: int = 32, steps: int = 80) -> Path:
     """A draft trained with speculators' own forward/loss on the target's greedy continuations of `prompts`."""
     from speculators.losses.utils import resolve_loss_config
     from transformers import AutoModelForCausalLM
@@ -69,7 +69,7 @@ def train_tiny_draft(target_dir: Path, out: Path, prompts: torch.Tensor, new_tok
     model = _draft_model(target_dir, AUX_IDS, 256, freq)
     data = [(s, *_final_prenorm(target, s)) for s in seqs]
     loss_cfg = resolve_loss_config("kl_div", "eager")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-4)
     model.train()
     p_len = prompts.shape[1]
     for step in range(steps):
@@ -108,7 +108,7 @@ def tiny_target(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def train_prompts() -> torch.Tensor:
-    return torch.randint(0, 512, (8, 8), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, 512, (4, 8), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,35 @@ def test_acceptance_counts_follow_vllm_definitions():
     assert acc.draft_acceptance_rate == pytest.approx(0.5)
     assert acc.length_histogram == [1, 1, 1, 1]  # derived from per-position counts alone, as for vLLM
     assert Acceptance.from_dict(acc.to_dict()).to_dict() == acc.to_dict()
+
+
+def test_draft_chain_matches_speculators_forward(tiny_target, trained_draft_dir, train_prompts):
+    """The inference path drives speculators' draft exactly as its training forward does (teacher-forced, every
+    position at once): same tokens at every chain step."""
+    from functools import partial
+
+    from speculators.models.attention import create_float_mask
+
+    from eagle3lib.speculative import draft_chain, load_draft
+
+    draft = load_draft(trained_draft_dir)
+    model = draft.model
+    model._create_mask_fn = partial(create_float_mask, dtype=torch.float32)  # speculators' dense-mask path for sdpa
+    model._attn_impl = "sdpa"
+    prompt = train_prompts[0].tolist()
+    with torch.inference_mode():
+        seq = tiny_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                                   eos_token_id=None, pad_token_id=0)[0]
+    aux, _ = _final_prenorm(tiny_target, seq)
+    T = seq.shape[0]
+    with torch.inference_mode():
+        theirs = model(hidden_states=aux[:-1][None], input_ids=seq[1:][None],
+                       document_ids=torch.zeros(1, T - 1, dtype=torch.long), position_ids=torch.arange(1, T)[None],
+                       ttt_steps=3)
+    ours = draft_chain(draft, aux[:-1], seq[1:], 3, starts=torch.arange(T - 1),
+                       teacher=torch.cat([seq, torch.zeros(4, dtype=torch.long)]))
+    for s in range(3):  # step s at position i is fed the true token x_{i+1+s}: compare where that exists
+        assert torch.equal(ours[: T - 1 - s, s], draft.to_target_ids(theirs[s][0])[: T - 1 - s]), f"step {s}"
 
 
 def test_embedded_decoder_is_lossless_on_the_tiny_target(tiny_target, untrained_draft_dir, trained_draft_dir,

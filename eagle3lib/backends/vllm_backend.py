@@ -318,6 +318,10 @@ def make_vllm_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int]
     t0 = time.perf_counter()
     if cfg.extract.strategy == "worker":
         backend: Any = VllmWorkerBackend(cfg, model_dir, layer_ids, **engine_overrides)
+    elif cfg.extract.vllm_endpoint:
+        from eagle3lib.backends.vllm_native import VllmEndpointBackend
+
+        backend = VllmEndpointBackend(cfg, model_dir, layer_ids)
     else:
         from eagle3lib.backends.vllm_native import VllmNativeBackend
 

