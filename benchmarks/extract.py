@@ -253,10 +253,11 @@ def vllm_one(args: argparse.Namespace) -> dict:
             llm = start_engine({**kwargs, "load_format": "dummy"})
             result["engine_start_s"] = round(time.time() - t, 1)
             try:
-                generate(llm, rows[:2])  # warm-up
+                generate(llm, rows[:8])  # warm-up (the same rows as the backends' warm-up)
+                per_call = max(1, args.request_tokens // len(input_ids[0]))  # = the backends' request_batches
                 t = time.time()
-                for i in range(0, len(rows), max(1, args.request_tokens // len(input_ids[0]))):
-                    generate(llm, rows[i:i + max(1, args.request_tokens // len(input_ids[0]))])
+                for i in range(0, len(rows), per_call):
+                    generate(llm, rows[i:i + per_call])
                 sync("cuda" if torch.cuda.is_available() else "cpu")
                 secs = time.time() - t
             finally:
@@ -269,7 +270,7 @@ def vllm_one(args: argparse.Namespace) -> dict:
             ddir = work / f"dataset-{cfg.extract.strategy}"
             shutil.rmtree(ddir, ignore_errors=True)
             try:
-                for _ in backend.capture(rows[:2]):  # warm-up
+                for _ in backend.capture(rows[:8]):  # warm-up
                     pass
                 loss_mask = [[1] * len(x) for x in input_ids]
                 ext = capture.extract(cfg, ddir, model_dir, layer_ids, shape["hidden"], input_ids, loss_mask,

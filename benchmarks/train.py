@@ -14,6 +14,7 @@ dropped after writing (posix_fadvise DONTNEED; --warm-cache keeps it), so (b) re
 
     python benchmarks/train.py --out benchmarks/results/train_h200.json          # on the GPU (≈ 11 GB of shards)
     python benchmarks/train.py --tiny --out /tmp/train_tiny.json                 # CPU smoke test, a minute
+    python benchmarks/train.py --loss fused --only a --out /tmp/fused.json      # is the fused loss faster here?
 
 Prints (b)/(a) and writes everything to --out as JSON.
 """
@@ -105,7 +106,8 @@ def write_run(work: Path, sz: dict[str, Any], args: argparse.Namespace, gen_devi
         "verifier.check_with_transformers=never", f"train.packing_length={sz['packed']}",
         f"train.ttt_steps={sz['ttt']}", "train.epochs=1", f"train.max_steps={sz['warmup'] + sz['steps']}",
         f"train.num_workers={args.workers}", f"train.prefetch_factor={args.prefetch}", "train.lr=1e-4",
-        f"train.device_prefetch={not args.no_device_prefetch}",
+        f"train.device_prefetch={not args.no_device_prefetch}", f"train.loss_implementation={args.loss}",
+        f"train.draft_attn_impl={args.attn}",
     ])
     rd = RunDir.create(cfg)
     dataset_dir = rd.path("dataset")
@@ -269,6 +271,9 @@ def main() -> int:
     p.add_argument("--warm-cache", action="store_true", help="keep the shards in the page cache")
     p.add_argument("--no-device-prefetch", action="store_true", help="(b) without the side-stream device copy")
     p.add_argument("--only", choices=["a", "b"], default=None)
+    p.add_argument("--loss", choices=["auto", "eager", "fused"], default="auto",
+                   help="train.loss_implementation (auto: fused only if its probe passes here); run twice to compare")
+    p.add_argument("--attn", choices=["auto", "sdpa", "flex_attention"], default="auto", help="train.draft_attn_impl")
     args = p.parse_args()
     sz = dict(TINY if args.tiny else FULL)
     for key in ("steps", "warmup", "workers", "prefetch"):
@@ -289,15 +294,21 @@ def main() -> int:
         report["data"] = data
         res = train.resolve_settings(cfg.train, device)
         report["resolved"] = {"attn_impl": res.attn_impl, "loss_implementation": res.loss_implementation,
-                              "hidden_states_dtype": res.hidden_states_dtype, "reasons": res.reasons}
+                              "hidden_states_dtype": res.hidden_states_dtype, "num_workers": res.num_workers,
+                              "reasons": res.reasons}
         log(f"settings: {res.attn_impl}, {res.loss_implementation} loss, {res.hidden_states_dtype}")
-        if args.only in (None, "a"):
-            report["a_bare"] = bench_bare(rd, cfg, sz, res, device)
-            log(f"(a) bare speculators step: {report['a_bare']['tokens_per_s']:,.0f} tok/s")
-        if args.only in (None, "b"):
-            report["b_stage"] = bench_stage(rd, sz, res)
-            log(f"(b) workbook stage 05 from disk: {report['b_stage']['tokens_per_s']:,.0f} tok/s")
-        if "a_bare" in report and "b_stage" in report:
+        parts = [("a_bare", "(a) bare speculators step", lambda: bench_bare(rd, cfg, sz, res, device)),
+                 ("b_stage", "(b) workbook stage 05 from disk", lambda: bench_stage(rd, sz, res))]
+        for key, label, fn in parts:
+            if args.only not in (None, key[0]):
+                continue
+            try:
+                report[key] = fn()
+                log(f"{label}: {report[key]['tokens_per_s']:,.0f} tok/s")
+            except Exception as e:  # noqa: BLE001 - record it (e.g. a forced fused loss failing) and go on
+                report[key] = {"error": f"{e.__class__.__name__}: {str(e)[-400:]}"}
+                log(f"{label} FAILED: {report[key]['error']}")
+        if "tokens_per_s" in report.get("a_bare", {}) and "tokens_per_s" in report.get("b_stage", {}):
             report["ratio_b_over_a"] = round(report["b_stage"]["tokens_per_s"] / report["a_bare"]["tokens_per_s"], 4)
             log(f"ratio (b)/(a) = {report['ratio_b_over_a']:.3f}")
     finally:

@@ -16,6 +16,20 @@ from pathlib import Path
 from typing import Any
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once at import: os.umask is process-wide, so never toggle it while threads write
+
+
+def _normal_mode(path: Path, directory: bool = False) -> None:
+    """mkstemp/mkdtemp create private (0600/0700) entries; a finished output gets the usual umask-based mode."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_UMASK)
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | Path, suffix: str = "") -> Iterator[Path]:
     """Yields a temp path next to `final`; on success it is renamed to `final`, on error it is removed."""
@@ -26,6 +40,8 @@ def atomic_path(final: str | Path, suffix: str = "") -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        if tmp_path.exists():
+            _normal_mode(tmp_path)
         os.replace(tmp_path, final)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
@@ -40,6 +56,7 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
+        _normal_mode(tmp, directory=True)
         if final.exists():
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,7 @@ def save_table(dataset_dir: Path, input_ids: list[list[int]], loss_mask: list[li
 class ShardWriter:
     """Validates and writes shards on background threads; at most `depth` waiting. The first failure stops the run."""
 
-    def __init__(self, dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec, threads: int,
+    def __init__(self, dataset_dir: Path, input_ids: Mapping[int, list[int]], spec: shards.ShardSpec, threads: int,
                  depth: int, on_written: ProgressFn | None = None):
         self.dataset_dir, self.input_ids, self.spec = dataset_dir, input_ids, spec
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-writer")
@@ -122,9 +122,9 @@ class ShardWriter:
 
     def submit(self, row: int, states: torch.Tensor) -> None:
         self.raise_if_failed()
-        if not 0 <= row < len(self.input_ids):
-            raise WorkbookError(f"the capture backend returned row {row}, which is not in the dataset "
-                                f"(0..{len(self.input_ids) - 1})", "this is a backend bug")
+        if row not in self.input_ids:
+            raise WorkbookError(f"the capture backend returned row {row}, which it was not asked for",
+                                "this is a backend bug")
         self.slots.acquire()
         fut = self.pool.submit(self._write, row, states)
         fut.add_done_callback(self._done)
@@ -144,10 +144,10 @@ class ShardWriter:
             self.raise_if_failed()
 
 
-def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: Path, input_ids: list[list[int]],
-                 spec: shards.ShardSpec, threads: int, depth: int, on_written: ProgressFn | None = None) -> int:
+def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: Path, spec: shards.ShardSpec,
+                 threads: int, depth: int, on_written: ProgressFn | None = None) -> int:
     """Run `rows` through `backend`, writing every shard; returns the number written. Every row must come back."""
-    writer = ShardWriter(dataset_dir, input_ids, spec, threads, depth, on_written)
+    writer = ShardWriter(dataset_dir, dict(rows), spec, threads, depth, on_written)
     seen: set[int] = set()
     ok = False
     try:
@@ -164,20 +164,20 @@ def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: P
     return len(seen)
 
 
-def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir: str, input_ids: list[list[int]],
-               rows: list[int], device: str, spec_args: tuple[int, int, str], queue: Any) -> None:
+def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir: str,
+               rows: list[tuple[int, list[int]]], device: str, spec_args: tuple[int, int, str], queue: Any) -> None:
     """One data-parallel process: its own GPU, its own backend and writer threads, progress to the parent."""
     from eagle3lib.backends.transformers_backend import TransformersBackend
     from eagle3lib.config import WorkbookConfig
 
     try:
-        torch.cuda.set_device(torch.device(device))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
         cfg = WorkbookConfig.model_validate_json(cfg_json)
         spec = shards.ShardSpec(spec_args[0], spec_args[1], shards.DTYPES[spec_args[2]])
         backend = TransformersBackend(cfg, Path(model_dir), layer_ids, device=device)
         try:
-            capture_rows(backend, [(i, input_ids[i]) for i in rows], Path(dataset_dir), input_ids, spec,
-                         cfg.extract.writer_threads, cfg.extract.write_queue,
+            capture_rows(backend, rows, Path(dataset_dir), spec, cfg.extract.writer_threads, cfg.extract.write_queue,
                          on_written=lambda r, t: queue.put(("progress", r, t)))
         finally:
             backend.close()
@@ -209,8 +209,9 @@ def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list
         if not share:
             continue
         p = ctx.Process(target=_dp_worker, args=(cfg.model_dump_json(), str(model_dir), layer_ids, str(dataset_dir),
-                                                 input_ids, share, dev, (spec.n_slots, spec.hidden_size,
-                                                                         cfg.extract.dtype), queue), daemon=True)
+                                                 [(i, input_ids[i]) for i in share], dev,
+                                                 (spec.n_slots, spec.hidden_size, cfg.extract.dtype), queue),
+                        daemon=True)
         p.start()
         procs.append(p)
     running = len(procs)
@@ -296,7 +297,7 @@ def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: 
                 metrics["load_seconds"] = round(time.time() - t_load, 2)
                 state["t0"] = time.time()
                 try:
-                    capture_rows(backend, [(i, input_ids[i]) for i in todo], dataset_dir, input_ids, spec,
+                    capture_rows(backend, [(i, input_ids[i]) for i in todo], dataset_dir, spec,
                                  cfg.extract.writer_threads, cfg.extract.write_queue, on_written)
                 finally:
                     if own:

@@ -366,8 +366,9 @@ def simulate_continuation(draft: Draft, aux: torch.Tensor, tokens: Sequence[int]
                           ks: Sequence[int]) -> dict[int, dict[str, Acceptance]]:
     """Offline acceptance on a target-greedy continuation (prompt + verified tokens), for each k.
 
-    'all': every start position in the continuation (the quick, lower-variance number); 'path': only the starts the
-    decoder visits (equal to the embedded decoder's counts up to float ties). The continuation is greedy, so the
+    'all': every start position in the continuation (more samples, but biased upwards: acceptance comes in runs and
+    the decoder skips the starts inside an accepted run, so it visits hard positions more often); 'path': only the
+    starts the decoder visits (equal to the embedded decoder's counts up to float ties). The continuation is greedy, so the
     target's argmax after position j is simply token j+1; beyond the end it is unknown.
     """
     t = torch.tensor(list(tokens), dtype=torch.long)

@@ -33,7 +33,7 @@ class Stage:
 
 ALL_STAGES: tuple[Stage, ...] = (
     Stage("00", "environment", ("target", "extract"), (), "environment and GPU check"),
-    Stage("01", "patches", ("extract",), (), "contract audit and compatibility patches"),
+    Stage("01", "patches", ("target", "extract", "evaluate"), (), "contract audit and compatibility patches"),
     Stage("02", "extract_hidden_states", ("run", "target", "data", "extract"), (), "training data and hidden states"),
     Stage("03", "inspect_tensors", ("inspect",), ("02",), "validate and look at the hidden states"),
     Stage("04", "verifier_weights", ("verifier",), ("02",), "verifier embedding/lm_head/norm and draft vocabulary"),

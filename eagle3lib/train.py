@@ -67,6 +67,7 @@ class Resolved:
     attn_impl: str  # speculators' name: sdpa | simple_flex_attention
     loss_implementation: str  # eager | fused
     hidden_states_dtype: str  # float32 | bfloat16 (dataloader dtype and autocast dtype)
+    num_workers: int = 0  # data loader worker processes
     reasons: list[str] = field(default_factory=list)
 
 
@@ -147,9 +148,15 @@ def resolve_settings(tcfg: TrainSection, device: str | None = None) -> Resolved:
                                              else "bf16 is slower than fp32 on CPUs without AMX"))
     else:
         dtype = tcfg.dtype
+    if tcfg.num_workers == "auto":
+        workers = 0 if device == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
+        reasons.append(f"{workers} data loader workers: " + ("the CPU trains, no spare cores" if device == "cpu"
+                                                              else "shards are read and packed in parallel"))
+    else:
+        workers = int(tcfg.num_workers)
     for r in reasons:
         log.info("auto: %s", r)
-    return Resolved(device, attn, loss_impl, dtype, reasons)
+    return Resolved(device, attn, loss_impl, dtype, num_workers=workers, reasons=reasons)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -234,7 +241,7 @@ def speculators_train_config(inp: TrainInputs, tcfg: TrainSection, res: Resolved
         "mask_token_id": 0,  # unused by eagle3; set so no tokenizer is needed beside the verifier tensors
         "data_path": str(inp.dataset_dir), "total_seq_len": tcfg.packing_length,
         "train_data_ratio": inp.train_ratio, "hidden_states_dtype": res.hidden_states_dtype,
-        "num_workers": tcfg.num_workers, "prefetch_factor": tcfg.prefetch_factor,
+        "num_workers": res.num_workers, "prefetch_factor": tcfg.prefetch_factor,
         "loss_implementation": res.loss_implementation, "loss_fn": LOSS_NAMES[tcfg.loss],
         "ttt_steps": tcfg.ttt_steps, "ttt_step_loss_decay": tcfg.step_loss_decay,
         "optimizer": tcfg.optimizer, "lr": tcfg.lr, "weight_decay": tcfg.weight_decay,
@@ -332,7 +339,7 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
             ds.data = ds.data.with_format("torch")
         sampler = MultipackDistributedBatchSamplerV2(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,
                                                      num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed)
-        workers = tcfg.num_workers
+        workers = res.num_workers
         loaders.append(loader_cls(
             ds, batch_sampler=sampler, num_workers=workers,
             prefetch_factor=tcfg.prefetch_factor if workers > 0 else None,
@@ -800,13 +807,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-manifest", action="store_true", help="do not write manifests/05 (the notebook writes it)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    stage = open_stage("05", a.config, a.run, a.overrides)
-    result = train(stage.rd)
+    if int(os.environ.get("RANK", "0")) == 0:
+        stage = open_stage("05", a.config, a.run, a.overrides)
+        rd = stage.rd
+    else:  # other torchrun ranks: same config, but no racing on open_stage's write probe in the run directory
+        from eagle3lib.config import load_config
+        from eagle3lib.rundir import REPO_ROOT, run_root
+
+        config = Path(a.config)
+        if not config.is_absolute() and not config.exists():
+            config = REPO_ROOT / config
+        cfg = load_config(config, list(a.overrides) + ([f"run.name={a.run}"] if a.run else []))
+        rd = RunDir(run_root(cfg), cfg)
+    result = train(rd)
     from speculators.train.distributed import maybe_destroy_distributed
 
     if result and not a.no_manifest:
-        plot_curves(json.loads(Path(result["curves"]).read_text()), stage.rd.figure_path("05", "curves"))
-        outputs, metrics = stage_outputs(stage.rd, result)
+        plot_curves(json.loads(Path(result["curves"]).read_text()), rd.figure_path("05", "curves"))
+        outputs, metrics = stage_outputs(rd, result)
         stage.finish(outputs=outputs, metrics=metrics)
     maybe_destroy_distributed()
     return 0

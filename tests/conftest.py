@@ -100,8 +100,9 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
     spec = shards.ShardSpec(len(ids), info.hidden_size, torch.bfloat16)
     for i in range(n):
         shards.write_shard(dataset_dir, i, rows[i], states[i], rows[i], spec)
-    Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": loss_mask.tolist(), "seq_len": [seq_len] * n}
-                      ).save_to_disk(str(dataset_dir))
+    table = Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": loss_mask.tolist(), "seq_len": [seq_len] * n})
+    table.set_format("torch")  # speculators compares token ids with torch.equal
+    table.save_to_disk(str(dataset_dir))
     freq: dict[int, int] = {}
     for tok in rows[:n_train][loss_mask[:n_train].bool()].tolist():
         freq[tok] = freq.get(tok, 0) + 1

@@ -249,3 +249,28 @@ def test_sigkill_mid_run_then_rerun_keeps_shards_and_matches_an_uninterrupted_ru
         torch.testing.assert_close(x["hidden_states"].float(), y["hidden_states"].float(), rtol=2e-2, atol=2e-2)
     assert torch.load(stage.rd.output("02", "token_freq"), weights_only=True) == torch.load(
         ref_stage.rd.output("02", "token_freq"), weights_only=True)
+
+
+def test_data_parallel_shares_are_token_balanced_and_complete():
+    ids = [[0] * n for n in (500, 20, 300, 300, 40, 260, 90, 10)]
+    shares = capture._split_balanced(list(range(8)), ids, 3)
+    assert sorted(r for s in shares for r in s) == list(range(8))
+    loads = [sum(len(ids[r]) for r in s) for s in shares]
+    assert max(loads) - min(loads) <= 500  # no share is more than one longest row heavier
+
+
+def test_data_parallel_processes_write_every_shard(tmp_path, tiny_llama_dir, tiny_model):
+    """The one-process-per-GPU path, run here with two CPU processes: same shards as the hand computation."""
+    cfg = tiny_cfg(tiny_llama_dir, "extract.batch_tokens=64", "extract.writer_threads=2")
+    rows = random_rows(10, seed=3)
+    ids = [t for _, t in rows]
+    spec = capture.shard_spec(cfg, LAYER_IDS, 64)
+    done = []
+    capture._capture_data_parallel(cfg, tiny_llama_dir, LAYER_IDS, tmp_path, ids, list(range(10)), ["cpu", "cpu"],
+                                   spec, lambda r, t: done.append((r, t)))
+    assert sum(r for r, _ in done) == 10 and sum(t for _, t in done) == sum(map(len, ids))
+    for i in range(10):
+        got = shards.read_shard(shards.shard_path(tmp_path, i))
+        assert got["token_ids"].tolist() == ids[i]
+        ref = reference_states(tiny_model, torch.tensor([ids[i]]), LAYER_IDS)[0]
+        torch.testing.assert_close(got["hidden_states"], ref, rtol=1e-4, atol=1e-5)

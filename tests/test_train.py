@@ -66,7 +66,7 @@ def test_auto_settings_on_cpu_and_refusals():
 
     res = train.resolve_settings(TrainSection(), "cpu")
     assert (res.attn_impl, res.loss_implementation, res.hidden_states_dtype) == ("sdpa", "eager", "float32")
-    assert len(res.reasons) == 3
+    assert res.num_workers == 0 and len(res.reasons) == 4
     ok, why = train.probe_fused_loss("cpu")
     assert not ok and "CUDA" in why
     with pytest.raises(WorkbookError, match="loss_implementation=fused needs a GPU"):

@@ -54,6 +54,21 @@ def connector_config(out_dir: Path) -> dict[str, Any]:
     return hidden_states_kv_transfer_config(out_dir)
 
 
+def default_spool(cfg: WorkbookConfig, n_slots: int, hf_config: dict[str, Any]) -> Path:
+    """Where the connector's files wait until read (a moment: read, converted, deleted). Shared memory when it has
+    room for two requests' worth of batches (the states then never touch the disk twice: once as vLLM's file, once
+    as our shard), else the run's cache folder."""
+    text = hf_config.get("text_config") or hf_config
+    in_flight = 2 * cfg.extract.vllm_request_tokens * n_slots * int(text.get("hidden_size", 0)) * 4
+    shm = Path("/dev/shm")
+    try:
+        if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * in_flight:
+            return shm / f"eagle3-{os.getpid()}-{cfg.run.name}"
+    except OSError:
+        pass
+    return cache_root(cfg) / "vllm_hidden_states"
+
+
 def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
     return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
@@ -92,7 +107,8 @@ class VllmNativeBackend:
             check_cpu_support(self.adapter, self.hf_config)
         self.adapter.check_native_ids(self.layer_ids)
         self.dtype = DTYPES[cfg.extract.dtype]
-        self.out_dir = Path(cfg.extract.vllm_hidden_states_dir or cache_root(cfg) / "vllm_hidden_states")
+        self.out_dir = Path(cfg.extract.vllm_hidden_states_dir or default_spool(cfg, len(self.layer_ids),
+                                                                                 self.hf_config))
         if self.out_dir.exists() and cfg.extract.vllm_hidden_states_dir is None:
             shutil.rmtree(self.out_dir)  # leftovers of a killed run are never read: each file is keyed by request id
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +151,8 @@ class VllmNativeBackend:
         if getattr(self, "llm", None) is not None:
             stop_engine(self.llm)
             self.llm = None
+        if self.cfg.extract.vllm_hidden_states_dir is None and self.out_dir.exists():
+            shutil.rmtree(self.out_dir, ignore_errors=True)
 
 
 def serve_command(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], port: int = 8000) -> list[str]:

@@ -157,7 +157,8 @@ def apply_all(scopes: Iterable[str] = ("process", "worker"), names: Iterable[str
     """Apply every registered patch (of the given scopes, or exactly `names`) whose detector says it is needed.
 
     Returns one row per patch (and per patch module that failed to import): name, status, needed, applied,
-    verified (the detector, run again after apply, no longer sees the problem), repairs, scope, why, error.
+    verified (the check of the contract it repairs passes after apply: a behaviour probe where there is one),
+    repairs, scope, why, error.
     Idempotent: a second call applies nothing new and returns the same rows. With `set_env`, the applied
     worker-scope patches are recorded in $EAGLE3_COMPAT_PATCHES for vLLM worker processes (see worker_setup)."""
     module_errors = load_patch_modules()

@@ -228,6 +228,23 @@ def probe_uniproc_reply_shape(cls: Any) -> str | None:
     return "default → [reply]; single_value=True → reply"
 
 
+def probe_rpc_transport(_: Any) -> str | None:
+    """Replies of collective_rpc cross vLLM's msgpack transport (engine core ↔ client). bytes must survive it
+    unchanged (the capture worker returns safetensors bytes); tensors arrive as an undecoded [dtype, shape, data]
+    list unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 — reported so nobody reads such a list as data."""
+    import torch
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    payload = {"bytes": b"\x00\x01safetensors", "tensor": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    out = MsgpackDecoder().decode(MsgpackEncoder().encode(payload))
+    if out.get("bytes") != payload["bytes"]:
+        raise ContractMismatch(f"bytes came back as {type(out.get('bytes')).__name__}")
+    tensor = out.get("tensor")
+    if isinstance(tensor, torch.Tensor):
+        return "bytes intact; tensors decoded (insecure serialization on)"
+    return f"bytes intact; a tensor arrives as {type(tensor).__name__} [dtype, shape, data]: return bytes, not tensors"
+
+
 def probe_rotary_3d(cls: Any) -> str | None:
     """vLLM's CPU rotary op on a 3-D [tokens, heads, dim] query/key (what MLA passes) must match a reference."""
     from eagle3lib.compat.rotary_cpu import rotary_3d_error
@@ -412,6 +429,9 @@ CONTRACTS: list[Contract] = [
              "vllm.v1.executor.uniproc_executor:UniProcExecutor",
              "collective_rpc(..., single_value=False) returns [reply]; single_value=True returns the reply",
              probe_uniproc_reply_shape, ("02",), ("vllm-worker",), kind="probe"),
+    Contract("vllm.collective_rpc.reply_transport", _V, "vllm.v1.serial_utils:MsgpackDecoder",
+             "bytes in an RPC reply arrive unchanged (tensors do not: [dtype, shape, data] lists)",
+             probe_rpc_transport, ("02",), ("vllm-worker",), kind="probe"),
     # --- two-phase step --------------------------------------------------------------------------------------
     Contract("vllm.Worker.execute_model", _V, "vllm.v1.worker.gpu_worker:Worker.execute_model",
              "execute_model(scheduler_output) runs the forward; its output comes from sample_tokens",
