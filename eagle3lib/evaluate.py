@@ -109,9 +109,10 @@ def held_out_prompt_ids(inp: EvalInputs, tok: Any | None, limit: int | None) -> 
     ds = load_from_disk(str(inp.dataset_dir))
     out = []
     for i in range(inp.train_rows, inp.train_rows + inp.val_rows):
-        ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"]
+        ids = [int(t) for t in ds[i]["input_ids"]]  # plain ints whether or not the dataset has a torch format
+        mask = [int(v) for v in ds[i]["loss_mask"]]
         first = next((j for j, v in enumerate(mask) if v), len(ids))
-        out.append(list(ids[: max(first, 1)]))
+        out.append(ids[: max(first, 1)])
     out = out[:limit] if limit else out
     if not out:
         raise WorkbookError("no tokenizer and no validation rows to take prompts from",

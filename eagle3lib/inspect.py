@@ -415,12 +415,12 @@ def _scan(dataset_dir: Path, spec: shards.ShardSpec, layer_ids: list[int], sampl
 
     ds = open_dataset(dataset_dir)
     columns = [c for c in ("input_ids", "seq_len", "loss_mask") if c in ds.column_names]
-    ds = ds.select_columns(columns)
+    ds = ds.select_columns(columns).with_format(None)  # plain Python values whatever format stage 02 saved
     rows = len(ds)
     wanted = list(range(rows)) if indices is None else sorted(indices)
     sample = choose_sample(rows, sample_shards, seed)
     in_stats = set(wanted if sample is None else sample)
-    total = sum(ds["seq_len"]) if "seq_len" in columns and indices is None else None
+    total = int(sum(ds["seq_len"])) if "seq_len" in columns and indices is None else None
     validation, stats = Validation(), SlotStats(spec.n_slots, spec.hidden_size)
     with tqdm(total=total, unit="tok", unit_scale=True, desc="03 inspect", disable=not progress) as bar:
         for i in wanted:

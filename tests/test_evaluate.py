@@ -235,12 +235,12 @@ def test_offline_over_stored_rows_uses_the_final_slot_argmax(tiny_run, trained_d
     ds = load_from_disk(str(ds_dir))
     head = load_target_head(tiny_llama_dir)
     hs = shards.read_shard(shards.shard_path(ds_dir, 12))["hidden_states"].float()
-    ids = torch.tensor(ds[12]["input_ids"])
+    ids = torch.as_tensor(ds[12]["input_ids"])
     with torch.inference_mode():
         logits = tiny_target(input_ids=ids[None]).logits[0]
     agree = (greedy_from_final(hs[:, -1], head) == logits.argmax(-1)).float().mean()
     assert agree > 0.95  # bf16 storage may flip a near-tie
-    rows = [(torch.tensor(ds[i]["input_ids"]), torch.tensor(ds[i]["loss_mask"]),
+    rows = [(torch.as_tensor(ds[i]["input_ids"]), torch.as_tensor(ds[i]["loss_mask"]),
              shards.read_shard(shards.shard_path(ds_dir, i))["hidden_states"].float()) for i in range(12, 16)]
     res = simulate_rows(load_draft(trained_draft_dir), rows, head, [1, 3])
     assert res[3].drafts == sum(int(r[1][1:].sum()) - 3 for r in rows)  # starts whose whole chain fits the row

@@ -165,6 +165,22 @@ def test_sampled_mode_says_so_and_still_validates_every_shard(tiny_run):
     assert list(again.validation.invalid) == [outside]
 
 
+def test_a_dataset_saved_in_torch_format_reads_the_same(tiny_run, tmp_path):
+    """Stage 02 may save its table with set_format("torch"); the pass must not care."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    cfg, rd = tiny_run
+    spec, layer_ids = _spec(rd)
+    d = rd.output("02", "dataset")
+    torch_dir = tmp_path / "torch-format"
+    load_from_disk(str(d)).with_format("torch").save_to_disk(str(torch_dir))
+    shutil.copytree(shards.shard_dir(d), shards.shard_dir(torch_dir))
+    assert load_from_disk(str(torch_dir)).format["type"] == "torch"
+    _same(hs_inspect.scan(torch_dir, spec, layer_ids).stats, hs_inspect.scan(d, spec, layer_ids, progress=False).stats)
+
+
 def test_notebook_runs_headless_on_the_tiny_run(tiny_run, tmp_path):
     import nbformat
 
