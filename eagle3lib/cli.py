@@ -47,7 +47,22 @@ def lab_argv(root_dir: Path, *, ip: str, port: int, token: str, default_url: str
     root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
     return [sys.executable, "-m", "jupyterlab", f"--ServerApp.ip={ip}", f"--ServerApp.port={port}",
             "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root_dir}", "--no-browser",
-            f"--IdentityProvider.token={token}", f"--LabApp.default_url={default_url}", *root]
+            f"--IdentityProvider.token={token}", f"--LabApp.default_url={default_url}",
+            "--ContentsManager.pre_save_hook=eagle3lib.cli.keep_notebooks_clean", *root]
+
+
+def keep_notebooks_clean(model: dict, path: str, **_: object) -> None:
+    """JupyterLab pre-save hook: the committed stage notebooks (notebooks/*.ipynb) are saved without outputs.
+
+    Why: a person stepping through the workbook would otherwise autosave outputs into the tracked notebooks. What a
+    run shows is kept where it belongs: figures and manifests in the run directory, executed copies for headless runs.
+    """
+    if model.get("type") != "notebook" or not path.lstrip("/").startswith(f"{NOTEBOOK_DIR.name}/"):
+        return
+    for cell in model["content"].get("cells", []):
+        if cell.get("cell_type") == "code":
+            cell["outputs"] = []
+            cell["execution_count"] = None
 
 
 def _free_port(ip: str, start: int) -> int:
