@@ -47,9 +47,10 @@ def test_cpu_patch_detect_apply_idempotent_revert():
     assert patch.detect() is True  # this machine has no accelerator: the Trainer would pick "cuda"
     revert_patch(NAME)
     originals = (trainer.get_local_rank, torch.accelerator.synchronize, ckpt.get_current_device)
-    with pytest.raises(RuntimeError):
-        torch.accelerator.synchronize()
+    # (whether the original torch.accelerator.synchronize raises here depends on what else this process imported:
+    # after vLLM's CPU platform loads it may not, so only the replacement and its revert are asserted)
     assert apply_patch(NAME) and apply_patch(NAME)  # idempotent
+    assert torch.accelerator.synchronize is not originals[1]
     assert trainer.get_local_rank() == "cpu" and ckpt.get_current_device() == "cpu"
     torch.accelerator.synchronize()  # no longer raises
     t = object.__new__(trainer.Trainer)

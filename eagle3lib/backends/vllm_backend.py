@@ -69,6 +69,10 @@ def prepare_environment(cfg: WorkbookConfig) -> None:
         # reading/writing of states would share one GIL: the H200 measured native extraction at 0.31 x prefill so.
         inproc = world_size(cfg) == 1 and on_cpu()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inproc else "1"
+    if not inproc and not on_cpu():
+        # A forked engine process cannot use CUDA once this process touched it (seen on the H200: "Cannot
+        # re-initialize CUDA in forked subprocess"); spawn always works.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if cfg.extract.strategy == "worker":
         # The capture worker splits each step by request with the V1 runner's `input_batch`; vLLM's Model Runner V2
         # (the default on GPU since 0.26) has no such attribute (seen on the H200: AttributeError in the worker).
