@@ -15,11 +15,11 @@ from importlib import metadata
 from pathlib import Path
 
 from eagle3lib.config import WorkbookConfig
+from eagle3lib.data import bundled_prompts_path
 from eagle3lib.errors import WorkbookError
 from eagle3lib.target import TargetInfo, describe_target, resolve_layer_ids, resolve_model_path
 
 BYTES_PER_DTYPE = {"bfloat16": 2, "float16": 2, "float32": 4}
-BUNDLED_PROMPTS = Path(__file__).resolve().parent / "assets" / "prompts.jsonl"
 
 
 @dataclass
@@ -81,8 +81,8 @@ def planned_samples(cfg: WorkbookConfig) -> int:
     for src in cfg.data.sources:
         if src.limit is not None:
             total += src.limit
-        elif src.kind == "bundled" and BUNDLED_PROMPTS.is_file():
-            total += sum(1 for line in BUNDLED_PROMPTS.open() if line.strip())
+        elif src.kind == "bundled" and bundled_prompts_path().is_file():
+            total += sum(1 for line in bundled_prompts_path().open() if line.strip())
         elif src.kind == "jsonl" and src.path and Path(src.path).is_file():
             total += sum(1 for line in Path(src.path).open() if line.strip())
         else:
