@@ -270,8 +270,10 @@ def vllm_one(args: argparse.Namespace) -> dict:
             ddir = work / f"dataset-{cfg.extract.strategy}"
             shutil.rmtree(ddir, ignore_errors=True)
             try:
-                for _ in backend.capture(rows[:8]):  # warm-up
-                    pass
+                for _, states in backend.capture(rows[:8]):  # warm-up
+                    if isinstance(states, Path):
+                        states.unlink()
+                backend.stats = dict.fromkeys(getattr(backend, "stats", {}), 0)
                 loss_mask = [[1] * len(x) for x in input_ids]
                 ext = capture.extract(cfg, ddir, model_dir, layer_ids, shape["hidden"], input_ids, loss_mask,
                                       progress=False, backend=backend)
@@ -284,6 +286,10 @@ def vllm_one(args: argparse.Namespace) -> dict:
                 assert not shards.check_shard_file(shards.shard_path(ddir, i), input_ids[i], spec)
             result["tokens_per_s"] = ext["tokens_per_s"]
             result["capture_seconds"] = ext["capture_seconds"]
+            # where the time went: generate_s = engine busy on the batches (the pipeline overlaps it with the
+            # rest), wait_s = waiting for the connector's files, adopted/converted = files renamed / rewritten
+            result["backend_stats"] = {k: round(v, 2) if isinstance(v, float) else v
+                                       for k, v in getattr(backend, "stats", {}).items()}
             result["disk_bytes"] = sum(p.stat().st_size for p in written)
     finally:
         if not args.workdir:

@@ -204,7 +204,9 @@ def bench_bare(rd, cfg, sz: dict[str, Any], res, device: str) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with train._quiet_speculators_bars_and_capture():
-        trainer = Trainer(model, tconf, batches, None)  # type: ignore[arg-type]
+        with train.fused_adamw(res.device):  # as the stage does
+            trainer = Trainer(model, tconf, batches, None)  # type: ignore[arg-type]
+        fused = [g.get("fused") for opt in trainer.optimizers for g in opt.param_groups]
         sync(device)
         t0 = time.perf_counter()
         trainer.train_epoch(0, step_callback=on_step)
@@ -214,7 +216,7 @@ def bench_bare(rd, cfg, sz: dict[str, Any], res, device: str) -> dict[str, Any]:
     secs = stamps[-1] - stamps[w - 1] if w > 0 else stamps[-1] - t0
     out = {"steps": len(stamps) - w, "warmup_steps": w, "tokens_per_step": tokens[0], "seconds": round(secs, 3),
            "tokens_per_s": round(measured / secs, 1), "step_ms": round(1000 * secs / (len(stamps) - w), 2),
-           "warmup_s": round(stamps[w - 1] - t0, 2) if w > 0 else 0.0}
+           "warmup_s": round(stamps[w - 1] - t0, 2) if w > 0 else 0.0, "fused_adamw": all(fused)}
     if device == "cuda":
         out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     del trainer, model, batches
@@ -246,6 +248,29 @@ def bench_stage(rd, sz: dict[str, Any], res) -> dict[str, Any]:
     return out
 
 
+def bench_loader(rd, sz: dict[str, Any], res) -> dict[str, Any]:
+    """(c): stage 05's data path alone (read shards, pack, collate, pin, copy to the device), no training: the most
+    tokens/s the data path can feed. (b) well below min((a), (c)) means the two do not overlap."""
+    from eagle3lib import train
+
+    inp = train.inputs_from_run(rd)
+    loader, _ = train.make_loaders(inp, rd.cfg.train, res)
+    n, w = sz["warmup"] + sz["steps"], sz["warmup"]
+    stamps, tokens = [], []
+    t0 = time.perf_counter()
+    while len(stamps) < n:
+        for batch in loader:
+            if res.device == "cuda":
+                batch["hidden_states"].sum().item()  # the copy has landed
+            tokens.append(loader.last_tokens)
+            stamps.append(time.perf_counter())
+            if len(stamps) >= n:
+                break
+    secs = stamps[-1] - stamps[w - 1] if w > 0 else stamps[-1] - t0
+    return {"steps": n - w, "tokens_per_s": round(sum(tokens[w:]) / secs, 1), "batch_ms": round(1000 * secs / (n - w), 2),
+            "workers": res.num_workers, "first_batch_s": round(stamps[0] - t0, 2)}
+
+
 def versions() -> dict[str, Any]:
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "speculators", "triton", "datasets"):
@@ -270,7 +295,7 @@ def main() -> int:
     p.add_argument("--prefetch", type=int, default=None, help="data loader prefetch factor for (b)")
     p.add_argument("--warm-cache", action="store_true", help="keep the shards in the page cache")
     p.add_argument("--no-device-prefetch", action="store_true", help="(b) without the side-stream device copy")
-    p.add_argument("--only", choices=["a", "b"], default=None)
+    p.add_argument("--only", choices=["a", "b", "c"], default=None)
     p.add_argument("--loss", choices=["auto", "eager", "fused"], default="auto",
                    help="train.loss_implementation (auto: fused only if its probe passes here); run twice to compare")
     p.add_argument("--attn", choices=["auto", "sdpa", "flex_attention"], default="auto", help="train.draft_attn_impl")
@@ -298,7 +323,8 @@ def main() -> int:
                               "reasons": res.reasons}
         log(f"settings: {res.attn_impl}, {res.loss_implementation} loss, {res.hidden_states_dtype}")
         parts = [("a_bare", "(a) bare speculators step", lambda: bench_bare(rd, cfg, sz, res, device)),
-                 ("b_stage", "(b) workbook stage 05 from disk", lambda: bench_stage(rd, sz, res))]
+                 ("b_stage", "(b) workbook stage 05 from disk", lambda: bench_stage(rd, sz, res)),
+                 ("c_loader", "(c) stage 05 data path alone", lambda: bench_loader(rd, sz, res))]
         for key, label, fn in parts:
             if args.only not in (None, key[0]):
                 continue
@@ -308,17 +334,22 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - record it (e.g. a forced fused loss failing) and go on
                 report[key] = {"error": f"{e.__class__.__name__}: {str(e)[-400:]}"}
                 log(f"{label} FAILED: {report[key]['error']}")
+            write_report(args.out, report)  # after each part: a run cut short keeps what it measured
         if "tokens_per_s" in report.get("a_bare", {}) and "tokens_per_s" in report.get("b_stage", {}):
             report["ratio_b_over_a"] = round(report["b_stage"]["tokens_per_s"] / report["a_bare"]["tokens_per_s"], 4)
             log(f"ratio (b)/(a) = {report['ratio_b_over_a']:.3f}")
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
+    write_report(args.out, report)
+    log(f"wrote {args.out}")
+    return 0
+
+
+def write_report(path: str, report: dict[str, Any]) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    log(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

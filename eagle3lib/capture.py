@@ -15,6 +15,7 @@ Headless:  eagle3 run --config configs/demo.yaml --stages 02
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -110,17 +111,20 @@ class ShardWriter:
         self.lock = threading.Lock()
         self.futures: list[Future] = []
 
-    def _write(self, row: int, states: torch.Tensor) -> None:
+    def _write(self, row: int, states: torch.Tensor | Path) -> None:
         try:
             ids = torch.as_tensor(self.input_ids[row], dtype=torch.int64)
-            shards.write_shard(self.dataset_dir, row, ids, states, ids, self.spec)
+            if isinstance(states, Path):  # a finished shard file from the backend: checked, then renamed
+                shards.adopt_shard(self.dataset_dir, row, states, ids, self.spec)
+            else:
+                shards.write_shard(self.dataset_dir, row, ids, states, ids, self.spec)
             if self.on_written:
                 with self.lock:
                     self.on_written(1, len(ids))
         finally:
             self.slots.release()
 
-    def submit(self, row: int, states: torch.Tensor) -> None:
+    def submit(self, row: int, states: torch.Tensor | Path) -> None:
         self.raise_if_failed()
         if row not in self.input_ids:
             raise WorkbookError(f"the capture backend returned row {row}, which it was not asked for",
@@ -176,6 +180,7 @@ def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir:
         cfg = WorkbookConfig.model_validate_json(cfg_json)
         spec = shards.ShardSpec(spec_args[0], spec_args[1], shards.DTYPES[spec_args[2]])
         backend = TransformersBackend(cfg, Path(model_dir), layer_ids, device=device)
+        queue.put(("ready", device, None))
         try:
             capture_rows(backend, rows, Path(dataset_dir), spec, cfg.extract.writer_threads, cfg.extract.write_queue,
                          on_written=lambda r, t: queue.put(("progress", r, t)))
@@ -199,7 +204,9 @@ def _split_balanced(rows: list[int], input_ids: list[list[int]], n: int) -> list
 
 def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], dataset_dir: Path,
                            input_ids: list[list[int]], todo: list[int], devices: list[str], spec: shards.ShardSpec,
-                           on_written: ProgressFn) -> None:
+                           on_written: ProgressFn, on_ready: Callable[[str], None] | None = None) -> None:
+    """One spawned process per device over balanced shares of `todo`; `on_ready(device)` once a process has its
+    model loaded (benchmarks time the steady state from there)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -227,6 +234,9 @@ def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list
                 continue
             if kind == "progress":
                 on_written(a, b)
+            elif kind == "ready":
+                if on_ready is not None:
+                    on_ready(a)
             elif kind == "done":
                 running -= 1
             else:
@@ -251,10 +261,49 @@ def plan(cfg: WorkbookConfig, prepared: Any, layer_ids: list[int], hidden_size: 
             "dtype": cfg.extract.dtype}
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT however it arrives: an OSError from Python, or safetensors' own error, which carries no errno
+    (measured on a full tmpfs: `SafetensorError: Error while serializing: I/O error: No space left on device (os
+    error 28)`), or the text a data-parallel capture process sent back."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
+
+
+def disk_full_error(dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec) -> WorkbookError:
+    """One line: how far the run got, how much more the rest needs, what is free. Every shard under its final name is
+    complete (atomic writes), so the rerun keeps them."""
+    done = {int(p.stem.removeprefix("hs_")) for p in shards.shard_dir(dataset_dir).glob("hs_*.safetensors")
+            if p.stem.removeprefix("hs_").isdigit()}
+    rest = [i for i in range(len(input_ids)) if i not in done]
+    need = sum(len(input_ids[i]) for i in rest) * bytes_per_token(spec) + 1_000_000  # + the table, token_freq
+    free = shutil.disk_usage(dataset_dir).free if dataset_dir.exists() else 0
+    return WorkbookError(
+        f"the disk is full: writing to {dataset_dir} failed with {len(done & set(range(len(input_ids))))} of "
+        f"{len(input_ids)} shards written; the remaining {len(rest)} shards need about {need / 1e9:.3f} GB "
+        f"({need:,} bytes), {free / 1e9:.3f} GB is free",
+        f"free at least {need / 1e9:.3f} GB on that disk (or set run.output_root to a bigger one) and rerun: the shards "
+        "already written are kept")
+
+
 def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
             input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
             backend: Any | None = None) -> dict[str, Any]:
-    """Shards for every row (resuming), then the table. Returns metrics of this call (resumed, computed, tok/s)."""
+    """Shards for every row (resuming), then the table. Returns metrics of this call (resumed, computed, tok/s).
+
+    A full disk stops the run with one line saying how much more space the rest needs (`disk_full_error`)."""
+    try:
+        return _extract(cfg, dataset_dir, model_dir, layer_ids, hidden_size, input_ids, loss_mask, progress, backend)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise disk_full_error(dataset_dir, input_ids, shard_spec(cfg, layer_ids, hidden_size)) from None
+
+
+def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
+             input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
+             backend: Any | None = None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     spec = shard_spec(cfg, layer_ids, hidden_size)

@@ -15,7 +15,7 @@ from eagle3lib.config import load_config
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import REPO_ROOT, RunDir
 from eagle3lib.stages import Stage, parse_selection
-from eagle3lib.target import describe_target, resolve_layer_ids, resolve_model_path
+from eagle3lib.target import check_tokenizer, describe_target, resolve_layer_ids, resolve_model_path
 
 KERNEL = "python3"  # the kernel of the interpreter that runs papermill: the workbook's venv
 
@@ -37,12 +37,20 @@ def run_environment(rd: RunDir) -> dict[str, str]:
 
 
 def preflight(config: str | Path | None, overrides: list[str]) -> RunDir:
-    """Everything that can be checked before a notebook starts: config, output folder, target path, layer ids."""
+    """Everything that can be checked before a notebook starts: config, target path and config.json, layer ids, the
+    draft vocabulary against the target's, the tokenizer against the model, then the output folder (created last, so
+    bad input leaves nothing behind)."""
     cfg = load_config(config, overrides)
-    rd = RunDir.create(cfg)
-    info = describe_target(resolve_model_path(cfg.target))
+    model_dir = resolve_model_path(cfg.target)
+    info = describe_target(model_dir)
     resolve_layer_ids(cfg.target.layer_ids, info.num_layers)
-    return rd
+    if cfg.verifier.draft_vocab_size > info.vocab_size:
+        raise WorkbookError(
+            f"verifier.draft_vocab_size={cfg.verifier.draft_vocab_size} is larger than the target's vocabulary "
+            f"({info.vocab_size} tokens)",
+            f"set verifier.draft_vocab_size to at most {info.vocab_size} (equal = no draft vocabulary mapping)")
+    check_tokenizer(cfg.target, model_dir, info)
+    return RunDir.create(cfg)
 
 
 def run_stages(config: str | Path | None, run: str | None = None, stages: str | None = None,

@@ -11,17 +11,21 @@ refuses such a tensor before it reaches the disk, and stage 03 re-runs the same 
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3lib.atomic import atomic_path
 from eagle3lib.errors import WorkbookError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # names in a file's header
 
 
 def shard_dir(dataset_dir: Path) -> Path:
@@ -77,6 +81,30 @@ def write_shard(dataset_dir: Path, index: int, token_ids: torch.Tensor, hidden_s
     return path
 
 
+def adopt_shard(dataset_dir: Path, index: int, src: Path, expected_ids: torch.Tensor | list[int] | None,
+                spec: ShardSpec) -> Path:
+    """Validate a shard file another writer produced (vLLM's hidden-states connector writes the same two keys) and
+    move it under its final name: the states reach the disk once instead of being read back and written again.
+
+    `src` must be on the dataset's filesystem (a rename); an invalid file is deleted and stops the run like
+    `write_shard` does, so nothing invalid ever carries a shard's name."""
+    found = check_shard_file(Path(src), expected_ids, spec)
+    if found:
+        Path(src).unlink(missing_ok=True)
+        raise WorkbookError(f"sample {index}: refusing to adopt an invalid shard from {src}: " + "; ".join(found),
+                            "this is a capture bug (wrong layer slicing or token alignment); nothing invalid was kept")
+    path = shard_path(dataset_dir, index)
+    try:
+        os.replace(src, path)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        with atomic_path(path, suffix=".safetensors") as tmp:  # another filesystem: copy, then rename there
+            shutil.copyfile(src, tmp)
+        Path(src).unlink()
+    return path
+
+
 def read_shard(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
@@ -93,3 +121,34 @@ def check_shard_file(path: Path, expected_ids: torch.Tensor | list[int] | None, 
     if missing:
         return [f"missing keys {sorted(missing)} (found {sorted(data)})"]
     return problems(data["token_ids"], data["hidden_states"], expected_ids, spec)
+
+
+def check_shard_header(path: Path, expected_ids: torch.Tensor | list[int] | None, spec: ShardSpec) -> list[str]:
+    """The cheap check stage 05 runs over every shard before training: the header (keys, shape, dtype; safetensors
+    refuses a file its header does not exactly cover, so truncated and empty files fail here) and the token ids,
+    without reading the states. What it cannot see (NaN, a flipped bit inside the states) is stage 03's full check."""
+    if not path.is_file():
+        return ["missing"]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            if {"token_ids", "hidden_states"} - keys:
+                return [f"missing keys {sorted({'token_ids', 'hidden_states'} - keys)} (found {sorted(keys)})"]
+            hs = f.get_slice("hidden_states")
+            shape, dtype = list(hs.get_shape()), SAFETENSORS_DTYPES.get(hs.get_dtype(), hs.get_dtype())
+            token_ids = f.get_tensor("token_ids")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        return [f"unreadable ({e.__class__.__name__}: {str(e)[:80]})"]
+    out: list[str] = []
+    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
+        out.append(f"token_ids must be int64 [T], got {token_ids.dtype} {list(token_ids.shape)}")
+    want = [token_ids.shape[0] if token_ids.dim() >= 1 else -1, spec.n_slots, spec.hidden_size]
+    if shape != want:
+        out.append(f"hidden_states shape {shape}, expected [T, n_aux+1, H] = {want}")
+    if dtype != spec.dtype:
+        out.append(f"hidden_states dtype {dtype}, expected {spec.dtype}")
+    if expected_ids is not None:
+        expected = torch.as_tensor(expected_ids, dtype=torch.int64)
+        if expected.shape != token_ids.shape or not torch.equal(expected, token_ids.to(torch.int64)):
+            out.append(f"token_ids differ from the dataset row (len {token_ids.shape[0]} vs {expected.shape[0]})")
+    return out

@@ -115,20 +115,56 @@ class TargetInfo:
 
 
 def describe_target(model_dir: Path) -> TargetInfo:
-    cfg = read_hf_config(model_dir)
-    text = text_config(cfg)
-    experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
-    return TargetInfo(
-        model_type=cfg.get("model_type", "?"),
-        architectures=tuple(cfg.get("architectures") or ()),
-        num_layers=int(text["num_hidden_layers"]),
-        hidden_size=int(text["hidden_size"]),
-        vocab_size=int(text["vocab_size"]),
-        num_experts=int(experts) if experts else None,
-        multimodal_wrapper="text_config" in cfg,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        dtype=text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype"),
-    )
+    """The target's shape from its config.json; one clear error when that file is not a causal LM's config."""
+    try:
+        cfg = read_hf_config(model_dir)
+        if not isinstance(cfg, dict):
+            raise TypeError(f"a JSON {type(cfg).__name__}, not an object")
+        text = text_config(cfg)
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
+        if missing:
+            raise KeyError(", ".join(missing))
+        experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
+        return TargetInfo(
+            model_type=cfg.get("model_type", "?"),
+            architectures=tuple(cfg.get("architectures") or ()),
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+            num_experts=int(experts) if experts else None,
+            multimodal_wrapper="text_config" in cfg,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            dtype=text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype"),
+        )
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        what = f"no {e.args[0]}" if isinstance(e, KeyError) else f"{e.__class__.__name__}: {' '.join(str(e).split())[:80]}"
+        raise WorkbookError(f"{Path(model_dir) / 'config.json'} is not a language model's config ({what})",
+                            "point target.model at an HF checkpoint folder of a causal language model") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer(target: TargetSection, model_dir: Path, info: TargetInfo) -> int | None:
+    """A tokenizer whose ids the model has no embedding for would fail deep inside a forward (or, worse, train on
+    other tokens): refuse it before anything runs. Returns the tokenizer's size, or None when the model folder has no
+    tokenizer and none is configured (stages 03-06 run on such a target; stage 02 asks for one itself)."""
+    tok_dir = Path(target.tokenizer).expanduser() if target.tokenizer else Path(model_dir)
+    if not target.tokenizer and not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=target.trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        raise WorkbookError(f"no tokenizer loads from {tok_dir} ({e.__class__.__name__}: {' '.join(str(e).split())[:80]})",
+                            "set target.tokenizer to a folder with the model's tokenizer files") from None
+    if len(tok) > info.vocab_size:
+        raise WorkbookError(
+            f"the tokenizer in {tok_dir} has {len(tok)} tokens but the model's vocabulary has {info.vocab_size}: "
+            "it does not belong to this model",
+            "set target.tokenizer to the model's own tokenizer (or remove it to use the model folder's)")
+    return len(tok)
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

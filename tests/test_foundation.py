@@ -26,6 +26,13 @@ def test_shipped_configs_load_and_round_trip(path):
     assert again.section_hash(["target", "data"]) == cfg.section_hash(["data", "target"])
 
 
+def test_where_a_run_lives_is_not_part_of_its_lineage_but_its_seed_is():
+    """A run copied under another name (a second draft on the same hidden states) keeps valid manifests."""
+    a = load_config(None, ["run.name=a"]).section_hash(["run", "data"])
+    assert load_config(None, ["run.name=b", "run.output_root=/elsewhere"]).section_hash(["run", "data"]) == a
+    assert load_config(None, ["run.name=a", "run.seed=1"]).section_hash(["run", "data"]) != a
+
+
 def test_overrides_are_typed_and_dotted():
     cfg = load_config(REPO_ROOT / "configs/demo.yaml", ["train.lr=3e-4", "target.layer_ids=[1, 2, 3]", "run.name=x"])
     assert cfg.train.lr == pytest.approx(3e-4) and cfg.target.layer_ids == [1, 2, 3] and cfg.run.name == "x"

