@@ -62,12 +62,21 @@ class TargetSection(Section):
 
 
 class DataSource(Section):
-    kind: Literal["bundled", "jsonl", "hf_disk", "hf_hub"] = Field(
-        "bundled", description="bundled prompt set | ShareGPT/OpenAI-messages JSONL | datasets.load_from_disk | load_dataset"
+    kind: Literal["bundled", "jsonl", "hf_disk", "hf_hub", "self_instruct"] = Field(
+        "bundled", description="bundled prompt set | ShareGPT/OpenAI-messages JSONL | datasets.load_from_disk | "
+        "load_dataset | self_instruct (the target writes user requests, seeded by a topics file; training only)"
     )
-    path: str | None = Field(None, description="File or folder (jsonl, hf_disk) or hub id (hf_hub).")
+    path: str | None = Field(None, description="File or folder (jsonl, hf_disk) or hub id (hf_hub); self_instruct: "
+                             "a topics JSON like eagle3lib/assets/topics.json (None = that file).")
     split: str = Field("train", description="Split name for hf_disk / hf_hub.")
-    limit: int | None = Field(None, description="Take at most this many records from this source.")
+    limit: int | None = Field(None, description="Take at most this many records from this source; self_instruct: "
+                              "how many cleaned, unique prompts to generate (required).")
+    temperature: float = Field(0.8, ge=0.0, description="self_instruct: sampling temperature of the written requests "
+                               "(0.8 measured on SmolLM2: on topic and varied; 1.0 drifts more often).")
+    max_new_tokens: int = Field(128, ge=8, description="self_instruct: token limit of one written request (a request "
+                                "cut off at the limit is dropped).")
+    followup_prob: float = Field(0.0, ge=0.0, le=1.0, description="self_instruct: share of the generated "
+                                 "conversations that get a second user turn, written by the target after its reply.")
 
 
 class DataSection(Section):
@@ -78,7 +87,16 @@ class DataSection(Section):
     self_distill: bool = Field(True, description="Regenerate assistant turns with the target itself.")
     gen_max_new_tokens: int = Field(128, description="Self-distillation: new tokens per reply.")
     gen_temperature: float = Field(0.0, description="Self-distillation: 0 = greedy.")
-    gen_batch_size: int = Field(16, description="Self-distillation: prompts per generate call.")
+    gen_batch_size: int = Field(16, description="Self-distillation: prompts per generate call (transformers: one "
+                                "padded batch; vllm: at least 256 per LLM.generate call; the cache is written after each).")
+    gen_temperatures: list[float] | None = Field(
+        None, description="Self-distillation at several temperatures: conversation i is answered at "
+        "gen_temperatures[i % len] (None = gen_temperature for all)."
+    )
+    generator: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Who generates replies and self_instruct prompts: batched transformers generate "
+        "or one offline vLLM engine (extract.* sizes; freed before extraction). vllm is ~10-50x faster on a GPU."
+    )
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0,
         description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",
@@ -115,9 +133,9 @@ class ExtractSection(Section):
     )
     vllm_endpoint_concurrency: int = Field(32, ge=1, description="vLLM native endpoint: requests in flight at once.")
     vllm_hidden_states_dir: str | None = Field(
-        None, description="vLLM native: folder the hidden-states connector writes to (None = /dev/shm when it has "
-        "room, else <run>/cache/"
-        "vllm_hidden_states; on a vllm serve endpoint, a folder both sides see)."
+        None, description="vLLM native: folder the hidden-states connector writes to (None = <run>/cache/"
+        "vllm_hidden_states, on the dataset's filesystem so a file becomes a shard by a rename; on a vllm serve "
+        "endpoint, a folder both sides see)."
     )
     writer_threads: int = Field(4, ge=1, description="Background threads that validate and write shards.")
     write_queue: int = Field(64, ge=1, description="Shards waiting to be written before capture pauses (bounds memory).")
@@ -137,7 +155,8 @@ class InspectSection(Section):
 
 
 class VerifierSection(Section):
-    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size (clipped to the target vocab).")
+    draft_vocab_size: int = Field(32000, ge=1, description="Draft vocabulary size, at most the target's vocabulary "
+                                  "(the runner refuses a larger one).")
     check_with_transformers: Literal["auto", "always", "never"] = Field(
         "auto", description="Cross-check the extracted tensors against a transformers load of the whole target: "
         "auto = only when its safetensors total at most 4 GB (never for a Kimi-sized target)."
@@ -196,6 +215,11 @@ class EvaluateSection(Section):
                              "measured live; each start costs seconds to minutes).")
 
 
+# Where a run lives does not shape what it computes: a run copied under another name (e.g. to train a second draft
+# on the same hidden states) keeps valid manifests.
+LOCATION_FIELDS = {"run": {"name", "output_root"}}
+
+
 class WorkbookConfig(Section):
     """Every knob of the pipeline. Sections are named after what they configure; stages declare which they read."""
 
@@ -218,7 +242,8 @@ class WorkbookConfig(Section):
 
     def section_hash(self, sections: list[str] | tuple[str, ...]) -> str:
         """A short stable hash of the named sections: what a manifest records so a later stage can check it."""
-        payload = {name: getattr(self, name).model_dump(mode="json") for name in sorted(sections)}
+        payload = {name: getattr(self, name).model_dump(mode="json", exclude=LOCATION_FIELDS.get(name))
+                   for name in sorted(sections)}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:

