@@ -391,3 +391,17 @@ def test_required_tags_follow_the_configured_backend(tmp_path):
     tags = compat.required_tags(load_config(None, ["extract.backend=vllm", "extract.strategy=native",
                                                    f"target.model={vlm}", "evaluate.methods=[vllm]"]))
     assert {"vllm", "vllm-native", "evaluate-vllm", "vllm-vlm"} <= tags and "transformers" not in tags
+
+
+def test_cpu_only_contracts_are_not_required_on_a_gpu_machine():
+    """The H200 failed stage 01 on the CPU rotary kernel (absent from vLLM's CUDA build, never used there): contracts
+    about CPU-only code are required only where the run has no accelerator."""
+    from eagle3lib.compat.contracts import CONTRACTS
+    from eagle3lib.config import load_config
+
+    cfg = load_config(REPO / "configs/smollm2-h200.yaml")  # evaluate.methods includes vllm
+    on_gpu, on_cpu = compat.required_tags(cfg, on_cpu=False), compat.required_tags(cfg, on_cpu=True)
+    assert "vllm" in on_gpu and not {"vllm-on-cpu", "speculators-cpu"} & on_gpu
+    assert {"vllm-on-cpu", "speculators-cpu"} <= on_cpu
+    rotary = next(c for c in CONTRACTS if c.name == "vllm.rotary_embedding.cpu_3d")
+    assert not set(rotary.needs) & on_gpu and set(rotary.needs) <= on_cpu

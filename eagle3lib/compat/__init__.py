@@ -257,8 +257,17 @@ def audit(contracts: Any = None) -> list[Any]:
 
 # Configuration tags (contracts declare which they serve) ----------------------------------------------------------
 
-def required_tags(cfg: Any) -> set[str]:
-    """The contract tags a workbook config relies on (see Contract.needs). Reads only the config object."""
+def required_tags(cfg: Any, on_cpu: bool | None = None) -> set[str]:
+    """The contract tags a workbook config relies on (see Contract.needs), on this machine (`on_cpu` None) or on a
+    CPU-only / GPU machine. CPU-only tags (`speculators-cpu`, `vllm-on-cpu`) cover code that only runs without an
+    accelerator: the H200 once failed stage 01 on the CPU rotary kernel its CUDA build of vLLM does not have."""
+    if on_cpu is None:
+        try:
+            import torch
+
+            on_cpu = torch.accelerator.current_accelerator() is None
+        except Exception:  # noqa: BLE001
+            on_cpu = False
     tags = {"speculators"}
     extract = cfg.extract
     if extract.backend == "vllm":
@@ -273,13 +282,10 @@ def required_tags(cfg: Any) -> set[str]:
         tags.add("transformers-gguf")
     elif "vllm" in tags and _is_multimodal_checkpoint(model):
         tags.add("vllm-vlm")
-    try:
-        import torch
-
-        if torch.accelerator.current_accelerator() is None:
-            tags.add("speculators-cpu")
-    except Exception:  # noqa: BLE001
-        pass
+    if on_cpu:
+        tags.add("speculators-cpu")
+        if "vllm" in tags:
+            tags.add("vllm-on-cpu")
     return tags
 
 

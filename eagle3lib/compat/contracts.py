@@ -476,7 +476,7 @@ CONTRACTS: list[Contract] = [
     # --- numerics --------------------------------------------------------------------------------------------
     Contract("vllm.rotary_embedding.cpu_3d", _V, "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding",
              "RotaryEmbedding.forward_cpu matches a reference on a 3-D [tokens, heads, dim] query/key (MLA)",
-             probe_rotary_3d, ("02", "06"), ("vllm",), kind="probe"),
+             probe_rotary_3d, ("02", "06"), ("vllm-on-cpu",), kind="probe"),
     # --- EAGLE-3 interface -------------------------------------------------------------------------------------
     Contract("vllm.llama.SupportsEagle3", _V, "vllm.model_executor.models.llama:LlamaForCausalLM",
              "Llama targets implement SupportsEagle3 (extract_hidden_states and eagle3 decoding need it)",
