@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -20,8 +21,20 @@ from eagle3lib.errors import WorkbookError
 from eagle3lib.stages import ALL_STAGES, NOTEBOOK_DIR, available_stages
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a job scheduler, `kill`) ends a run like Ctrl-C: the notebook's kernel is shut down with
+    its whole process group. Python's default SIGTERM exit skips that, and a vLLM engine the kernel had spawned
+    lived on holding 120 GiB of an H200 (seen in a device session)."""
+    def handler(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from eagle3lib.runner import run_stages
+
+    _interrupt_on_sigterm()
 
     rd = run_stages(args.config, run=args.run, stages=args.stages, overrides=args.param, log_output=not args.quiet)
     report = rd.path("report.md")

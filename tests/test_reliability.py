@@ -545,3 +545,32 @@ def test_remote_code_is_off_and_servers_bind_loopback_by_default(tiny_llama_dir)
     argv = lab_argv(REPO_ROOT, ip=args.ip, port=8888, token="t0ken", default_url="/lab")
     assert "--ServerApp.ip=127.0.0.1" in argv and "--IdentityProvider.token=t0ken" in argv
     # (the served lab itself: tests/test_browser.py::test_eagle3_lab_prints_a_token_url_and_listens_on_loopback_only)
+
+
+def test_sigterm_to_a_headless_run_shuts_its_kernel_down_with_everything_it_started(tmp_path, smollm2_dir):
+    """`timeout` / a scheduler sends SIGTERM: the run ends like Ctrl-C (exit 130) and the notebook's kernel goes with
+    its whole process group — a vLLM engine the kernel spawned once survived an H200 run holding 120 GiB."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3lib.cli", "run", "--config", "configs/demo.yaml", "--run",
+                             "term", "--stages", "02", "-q", "-p", f"run.output_root={tmp_path}"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    kernels: list[psutil.Process] = []
+    try:
+        deadline = time.time() + 120
+        while not kernels and time.time() < deadline and proc.poll() is None:
+            kernels = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "ipykernel_launcher" in " ".join(p.cmdline())]
+            time.sleep(0.5)
+        assert kernels, f"no kernel started: {proc.stderr.read().decode()[-1500:] if proc.poll() is not None else ''}"
+        time.sleep(3)  # the kernel is executing stage 02
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130, proc.stderr.read().decode()[-1500:]
+    assert "rerun the same command to resume" in proc.stderr.read().decode()
+    gone, alive = psutil.wait_procs(kernels, timeout=15)
+    assert not alive, f"kernel processes left running: {[p.pid for p in alive]}"
