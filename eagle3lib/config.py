@@ -200,8 +200,9 @@ class TrainSection(Section):
 
 
 class EvaluateSection(Section):
-    methods: list[Literal["embedded", "vllm", "offline"]] = Field(
-        default_factory=lambda: ["offline", "embedded"], description="How acceptance is measured."
+    methods: list[Literal["embedded", "vllm", "offline", "ngram"]] = Field(
+        default_factory=lambda: ["offline", "embedded"], description="How acceptance is measured (ngram: vLLM's "
+        "n-gram prompt lookup with the same k and no draft, the baseline a trained draft must beat)."
     )
     num_draft_tokens: int = Field(3, description="k: draft tokens per step.")
     sweep_k: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="k values for the tau-vs-k plot.")

@@ -10,6 +10,7 @@ tau = 1 + accepted / drafts, per-position rate = accepted at p / drafts, draft a
   target; checked token for token against the target's plain greedy output on every prompt.
 - vllm: vLLM serving the target with the draft (method eagle3), its spec-decode counters, tokens/s against the same
   prompts without the draft, and greedy outputs compared between the two (run in a child process).
+- ngram: vLLM's n-gram prompt lookup with the same k, no draft at all: the baseline the trained draft must beat.
 
 Held-out prompts only (stage 02's eval_prompts); k = evaluate.num_draft_tokens, and tau vs k for evaluate.sweep_k.
 Writes eval/results.json, figures/06_*.png and the run's report card report.md (eagle3lib.report).
@@ -31,6 +32,8 @@ from eagle3lib import atomic
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import StageRun
 from eagle3lib.speculative import Acceptance
+
+NGRAM = "vllm n-gram (no draft)"  # the baseline's row in by_method and the report
 
 # ------------------------------------------------------------------------------------------------------ inputs
 
@@ -231,14 +234,31 @@ def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int |
     return res, len(rows_idx)
 
 
+def vllm_job(inp: EvalInputs, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> dict[str, Any]:
+    """What every vLLM run of the evaluation shares: target, prompts, length, dtype."""
+    longest = max(len(p) for p in prompts) + max_new_tokens + 8
+    return {"target": str(inp.model_dir), "prompt_token_ids": prompts, "max_new_tokens": max_new_tokens,
+            "dtype": dtype, "max_model_len": max(256, longest)}
+
+
+def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
+              dtype: str) -> dict[str, Any]:
+    """vLLM's n-gram prompt lookup with the same k on the same prompts: the draft-free baseline, so the report
+    shows what the trained draft adds over copying from the context."""
+    from eagle3lib.vllm_spec import run_in_subprocess
+
+    r = run_in_subprocess({**vllm_job(inp, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}, workdir,
+                          f"ngram_k{k}")
+    return {"acceptance": Acceptance.from_dict(r["acceptance"]).to_dict(), "tokens_per_s": r["tokens_per_s"],
+            "engine_start_s": r["engine_start_s"], "outputs": r["outputs"]}
+
+
 def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
              dtype: str, sweep: list[int] | None = None) -> dict[str, Any]:
     """vLLM with and without the draft on the same prompts (child processes); counters, speed, identical outputs."""
     from eagle3lib.vllm_spec import run_in_subprocess
 
-    longest = max(len(p) for p in prompts) + max_new_tokens + 8
-    base_job = {"target": str(inp.model_dir), "prompt_token_ids": prompts, "max_new_tokens": max_new_tokens,
-                "dtype": dtype, "max_model_len": max(256, longest)}
+    base_job = vllm_job(inp, prompts, max_new_tokens, dtype)
     base = run_in_subprocess({**base_job, "draft": None, "k": 0}, workdir, "baseline")
     runs: dict[int, dict[str, Any]] = {}
     for kk in sorted(set([k] + list(sweep or []))):
@@ -399,9 +419,9 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
         results["sweep"]["offline (held-out, all starts)"] = {str(kk): sim[kk]["all"].to_dict() for kk in ks}
         results["seconds"]["offline_heldout"] = round(time.perf_counter() - t0, 2)
     del target
+    vdtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     if "vllm" in cfg.methods:
         t0 = time.perf_counter()
-        vdtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         live = run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"), vdtype,
                         sweep=ks if cfg.vllm_sweep else None)
         results["vllm"] = {key: v for key, v in live.items() if key not in ("outputs", "baseline_outputs", "sweep")}
@@ -412,6 +432,15 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
             results["vllm"]["identical_to_embedded"] = sum(
                 int(a == b) for a, b in zip(live["baseline_outputs"], results["embedded_outputs"], strict=True))
         results["seconds"]["vllm"] = round(time.perf_counter() - t0, 2)
+    if "ngram" in cfg.methods:
+        t0 = time.perf_counter()
+        ng = run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"), vdtype)
+        results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}
+        results["by_method"][NGRAM] = ng["acceptance"]
+        if "embedded_outputs" in results:
+            results["ngram"]["identical_to_embedded"] = sum(
+                int(a == b) for a, b in zip(ng["outputs"], results["embedded_outputs"], strict=True))
+        results["seconds"]["ngram"] = round(time.perf_counter() - t0, 2)
     results["seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     atomic.write_json(stage.rd.path("eval", "results.json"), results)
     return results

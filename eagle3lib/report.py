@@ -83,7 +83,8 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if results:
         by = results.get("by_method", {})
         head = [f"**k = {results.get('k')}**"]
-        for name in ("vllm", "embedded", "offline (held-out, decoder path)", "offline (validation rows)"):
+        for name in ("vllm", "embedded", "offline (held-out, decoder path)", "offline (validation rows)",
+                     "vllm n-gram (no draft)"):
             if name in by:
                 head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
         for name in ("vllm", "embedded"):

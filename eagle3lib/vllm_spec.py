@@ -41,6 +41,9 @@ def _counters(llm: Any) -> dict[str, Any]:
     return out
 
 
+NGRAM_MAX, NGRAM_MIN = 4, 2  # n-gram lookup window: vLLM's documented example values
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -52,23 +55,27 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
     if job.get("gpu_memory_utilization") is not None:
         kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
-    if job.get("draft"):
+    method = job.get("method") or ("eagle3" if job.get("draft") else None)
+    if method == "eagle3":
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"],
                                         "num_speculative_tokens": int(job["k"])}
+    elif method == "ngram":  # prompt lookup: no draft model, the baseline a trained draft must beat
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(job["k"]),
+                                        "prompt_lookup_max": NGRAM_MAX, "prompt_lookup_min": NGRAM_MIN}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=int(job["max_new_tokens"]))
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompt_token_ids"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    before = _counters(llm) if job.get("draft") else {}
+    before = _counters(llm) if method else {}
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(o) for o in outputs)
     acceptance = None
-    if job.get("draft"):
+    if method:
         after = _counters(llm)
         k = int(job["k"])
         per_pos = [a - b for a, b in zip(after.get("num_accepted_tokens_per_pos", [0] * k),
@@ -79,7 +86,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                       "accepted": after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0),
                       "per_pos": (per_pos + [0] * k)[:k]}
     return {"outputs": outputs, "seconds": seconds, "generated_tokens": n, "tokens_per_s": n / seconds if seconds else 0,
-            "engine_start_s": start_s, "acceptance": acceptance, "k": job.get("k"), "draft": job.get("draft")}
+            "engine_start_s": start_s, "acceptance": acceptance, "k": job.get("k"), "draft": job.get("draft"),
+            "method": method}
 
 
 def main(argv: list[str] | None = None) -> int:

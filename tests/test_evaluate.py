@@ -296,6 +296,14 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
         assert got.output_ids == out  # vLLM greedy == transformers greedy == the embedded decoder
         emb.merge(got.acceptance)
     assert abs(acc.tau - emb.tau) <= TOLERANCE_LIVE
+    # the draft-free baseline (evaluate.methods: ngram): n-gram prompt lookup, same k, same outputs, own counters
+    loop = tok.apply_chat_template([{"role": "user", "content": "Repeat after me: one two three, one two three, "
+                                     "one two three."}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    ngram = run_in_subprocess({**job, "prompt_token_ids": [*prompts, loop], "method": "ngram", "k": 2},
+                              tmp_path / "vllm", "ngram", timeout_s=600)
+    assert ngram["method"] == "ngram" and ngram["outputs"][:2] == base["outputs"]
+    ng = Acceptance.from_dict(ngram["acceptance"])
+    assert ng.drafts > 0 and ng.draft_tokens == 2 * ng.drafts and 0 <= ng.accepted <= ng.draft_tokens
 
 
 def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, tmp_path):

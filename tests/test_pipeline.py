@@ -20,6 +20,7 @@ SMALL = [
     "data.num_samples=20", "data.eval_samples=4", "data.max_length=192", "data.gen_max_new_tokens=32",
     "data.gen_batch_size=8", "verifier.draft_vocab_size=4096", "train.epochs=2", "train.packing_length=512",
     "evaluate.num_prompts=2", "evaluate.max_new_tokens=16", "evaluate.sweep_k=[1, 3]",
+    "evaluate.methods=[offline, embedded, ngram]",
 ]
 
 
@@ -69,4 +70,7 @@ def test_training_and_evaluation_results(pipeline_run):
     assert ev["embedded_identical"] == "2/2"  # lossless: the same tokens as the target's own greedy decoding
     report = (pipeline_run / "report.md").read_text()
     assert "embedded" in report and "[2, 15, 27, 30]" in report
+    assert "vllm n-gram (no draft)" in ev["tau"] and "vllm n-gram (no draft)" in report  # the draft-free baseline
+    results = json.loads((pipeline_run / "eval" / "results.json").read_text())
+    assert results["ngram"]["identical_to_embedded"] == 2  # n-gram lookup is lossless too
     assert len(list((pipeline_run / "figures").glob("*.png"))) >= 10
