@@ -3,7 +3,8 @@
 vLLM computes the residual stream at `eagle_aux_hidden_state_layer_ids` (our ids, final N included: id N is the
 last layer's pre-norm output, FACTS), stores it in a cache-only attention layer, and the connector writes one
 safetensors file per finished request (`hidden_states [T, n_ids, H]`, `token_ids`) whose path comes back in
-`RequestOutput.kv_transfer_params["hidden_states_path"]`. We read it, convert to the storage dtype, delete it.
+`RequestOutput.kv_transfer_params["hidden_states_path"]`. Those are the shard's own two keys: a file already in the
+storage dtype is validated and renamed into the dataset (written once); another dtype is read, converted, deleted.
 
 Three things this file handles that upstream leaves to the caller (FACTS):
 - On the CPU the upstream connector fails (CUDA streams/events, pinned memory): eagle3lib.compat's
