@@ -279,42 +279,47 @@ def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: 
 # ---------------------------------------------------------------------------------------------------- figures
 
 
+def _label_and_save(fig: Any, ax: Any, path: Path, title: str, xlabel: str | None, ylabel: str) -> Any:
+    """What every stage-06 figure ends with: labels, title, legend, the PNG."""
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def _bars_by_method(ax: Any, results: dict[str, Any], values: Any, first_x: int, label: Any) -> None:
+    """One group of bars per x position, one bar per method in the group: `values(acceptance)` gives the heights,
+    the first at x = `first_x`."""
+    methods = [m for m in results["by_method"] if results["by_method"][m]]
+    width = 0.8 / max(len(methods), 1)
+    for j, name in enumerate(methods):
+        a = results["by_method"][name]
+        ys = values(a)
+        xs = [first_x + i + (j - (len(methods) - 1) / 2) * width for i in range(len(ys))]
+        ax.bar(xs, ys, width=width, label=label(name, a))
+
+
 def plot_per_position(results: dict[str, Any], path: Path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    methods = [m for m in results["by_method"] if results["by_method"][m]]
-    width = 0.8 / max(len(methods), 1)
-    for j, name in enumerate(methods):
-        rates = results["by_method"][name]["per_pos_rate"]
-        xs = [p + 1 + (j - (len(methods) - 1) / 2) * width for p in range(len(rates))]
-        ax.bar(xs, rates, width=width, label=f"{name} (tau {results['by_method'][name]['tau']:.2f})")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("accepted at position / drafts")
+    _bars_by_method(ax, results, lambda a: a["per_pos_rate"], first_x=1,
+                    label=lambda name, a: f"{name} (tau {a['tau']:.2f})")
     ax.set_ylim(0, 1)
-    ax.set_title("per-position acceptance rate")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return fig
+    return _label_and_save(fig, ax, path, "per-position acceptance rate", "draft position",
+                           "accepted at position / drafts")
 
 
 def plot_length_histogram(results: dict[str, Any], path: Path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    methods = [m for m in results["by_method"] if results["by_method"][m]]
-    width = 0.8 / max(len(methods), 1)
-    for j, name in enumerate(methods):
-        hist = results["by_method"][name]["length_histogram"]
-        total = max(sum(hist), 1)
-        xs = [a + (j - (len(methods) - 1) / 2) * width for a in range(len(hist))]
-        ax.bar(xs, [h / total for h in hist], width=width, label=name)
-    ax.set_xlabel("accepted draft tokens in a step")
-    ax.set_ylabel("share of steps")
-    ax.set_title("accepted lengths")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return fig
+    _bars_by_method(ax, results, lambda a: [h / max(sum(a["length_histogram"]), 1) for h in a["length_histogram"]],
+                    first_x=0, label=lambda name, a: name)
+    return _label_and_save(fig, ax, path, "accepted lengths", "accepted draft tokens in a step", "share of steps")
 
 
 def plot_tau_vs_k(results: dict[str, Any], path: Path):
@@ -328,12 +333,8 @@ def plot_tau_vs_k(results: dict[str, Any], path: Path):
     ks_all = sorted({int(k) for s in results["sweep"].values() for k in s})
     if ks_all:
         ax.plot(ks_all, [k + 1 for k in ks_all], ls=":", color="grey", label="ideal (all accepted)")
-    ax.set_xlabel("k (draft tokens per step)")
-    ax.set_ylabel("tau (tokens per target forward)")
-    ax.set_title("mean acceptance length vs k")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return fig
+    return _label_and_save(fig, ax, path, "mean acceptance length vs k", "k (draft tokens per step)",
+                           "tau (tokens per target forward)")
 
 
 def plot_speedup(results: dict[str, Any], path: Path):
@@ -353,11 +354,8 @@ def plot_speedup(results: dict[str, Any], path: Path):
     for x, b, s in zip(xs, base, spec, strict=True):
         ax.text(x + 0.2, s, f"x{s / b:.2f}", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(xs), names)
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title("speed with and without the draft (greedy, same prompts)")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return fig
+    return _label_and_save(fig, ax, path, "speed with and without the draft (greedy, same prompts)", None,
+                           "generated tokens / s")
 
 
 # ------------------------------------------------------------------------------------------------------ stage
