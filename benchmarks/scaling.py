@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -122,7 +121,7 @@ def cmd_extract(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     from eagle3lib.config import load_config as load
-    from eagle3lib.rundir import run_root
+    from eagle3lib.rundir import fork_run, run_root
 
     cfg = load(args.config, [f"run.name={args.run}"])
     src = run_root(cfg)
@@ -131,9 +130,7 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     for k in (1, args.gpus):
         name = f"{args.run}-scale{k}"
-        dst = src.parent / name
-        shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns("draft", "05_*", "06_*"))
+        dst = fork_run(src, src.parent / name)
         cmd = ["torchrun", f"--nproc-per-node={k}", "-m", "eagle3lib.train", "--config", args.config, "--run", name,
                "-p", "train.epochs=1", "-p", f"train.max_steps={args.steps}", "-p", "train.val_every=1",
                "--no-manifest"]

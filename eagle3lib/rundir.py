@@ -57,6 +57,19 @@ def run_root(cfg: WorkbookConfig) -> Path:
     return root / cfg.run.name
 
 
+def fork_run(src: Path, dst: Path) -> Path:
+    """A copy of run folder `src` at `dst` that shares stages 00-04's files through hard links (no bytes copied) and
+    has no draft, no stage 05/06 outputs and no report: the way to train another draft on the same hidden states.
+    An existing `dst` is replaced. Valid because where a run lives is not part of its lineage (config.LOCATION_FIELDS)."""
+    import os
+    import shutil
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, copy_function=os.link,
+                    ignore=shutil.ignore_patterns("draft", "05_*", "06_*", "report.md"))
+    return Path(dst)
+
+
 @dataclass
 class RunDir:
     """The run's folder. `path('dataset')` etc. give stage folders; manifests are read and written here."""

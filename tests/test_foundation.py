@@ -33,6 +33,22 @@ def test_where_a_run_lives_is_not_part_of_its_lineage_but_its_seed_is():
     assert load_config(None, ["run.name=a", "run.seed=1"]).section_hash(["run", "data"]) != a
 
 
+def test_a_forked_run_shares_stages_00_04_by_hard_links_and_leaves_the_draft_behind(tmp_path):
+    from eagle3lib.rundir import fork_run
+
+    src = tmp_path / "a"
+    for rel in ("dataset/hidden_states/hs_0.safetensors", "manifests/02_extract_hidden_states.json",
+                "manifests/05_train_draft.json", "figures/06_tau_vs_k.png", "draft/curves.json", "report.md"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    dst = fork_run(src, tmp_path / "b")
+    shard = "dataset/hidden_states/hs_0.safetensors"
+    assert (dst / shard).stat().st_ino == (src / shard).stat().st_ino  # a link, not a copy
+    assert (dst / "manifests/02_extract_hidden_states.json").is_file()
+    assert not any((dst / rel).exists() for rel in ("manifests/05_train_draft.json", "figures/06_tau_vs_k.png",
+                                                     "draft", "report.md"))
+
+
 def test_overrides_are_typed_and_dotted():
     cfg = load_config(REPO_ROOT / "configs/demo.yaml", ["train.lr=3e-4", "target.layer_ids=[1, 2, 3]", "run.name=x"])
     assert cfg.train.lr == pytest.approx(3e-4) and cfg.target.layer_ids == [1, 2, 3] and cfg.run.name == "x"

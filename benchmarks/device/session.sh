@@ -23,13 +23,7 @@ keep_logs() { tar czf "$OUT/logs-$phase.tgz" --ignore-failed-read "$@" 2>/dev/nu
 # the first of stages 02..06 without a manifest in run $1 (so a phase resumes what an earlier call left unfinished)
 first_missing() { for s in 02 03 04 05 06; do ls outputs/$1/manifests/${s}_*.json >/dev/null 2>&1 || { echo $s; return; }; done; echo done; }
 # a copy of run $1 named $2 that shares stages 02-04's files (hard links) and has no draft yet
-fork_run() { python3 - "$1" "$2" <<'PY'
-import os, shutil, sys
-src, dst = (os.path.join("outputs", a) for a in sys.argv[1:])
-shutil.rmtree(dst, ignore_errors=True)
-shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns("draft", "05_*", "06_*", "report.md"))
-PY
-}
+fork_run() { python3 -c "import sys; from eagle3lib.rundir import fork_run; fork_run(*('outputs/' + a for a in sys.argv[1:]))" "$1" "$2"; }
 
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB):
 # every GPU phase starts by ending whatever still runs on the GPUs
