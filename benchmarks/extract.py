@@ -194,6 +194,7 @@ def vllm_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--multiprocess", action="store_true", help="engine in its own process (default: in-process)")
     ap.add_argument("--workdir", default=None, help="model config + shards (default: a temp folder, removed after)")
     ap.add_argument("--timeout", type=int, default=900, help="vllm-all: seconds per mode")
+    ap.add_argument("--modes", default=",".join(VLLM_MODES), help="vllm-all: which modes, comma-separated")
     ap.add_argument("--out", required=True, help="JSON result path")
     return ap.parse_args(argv)
 
@@ -310,7 +311,8 @@ def vllm_main(argv: list[str]) -> None:
     import subprocess
 
     results: dict[str, Any] = {}
-    for mode in VLLM_MODES:  # each in a fresh process: a clean device and no leftover engine state
+    modes = [m for m in VLLM_MODES if m in args.modes.split(",")]
+    for mode in modes:  # each in a fresh process: a clean device and no leftover engine state
         part = out.with_name(f"{out.stem}.{mode}.json")
         cmd = [sys.executable, __file__, *_replace_opt(_replace_opt(argv, "--backend", mode), "--out", str(part))]
         print("running", " ".join(cmd), flush=True)
@@ -320,7 +322,7 @@ def vllm_main(argv: list[str]) -> None:
             continue
         results[mode] = json.loads(part.read_text())
     base = results.get("vllm-prefill", {}).get("tokens_per_s")
-    summary = {m: results[m].get("tokens_per_s") for m in VLLM_MODES}
+    summary = {m: results[m].get("tokens_per_s") for m in modes}
     ratios = {m: round(summary[m] / base, 3) for m in ("vllm-native", "vllm-worker") if base and summary.get(m)}
     final = {"tokens_per_s": summary, "ratio_vs_prefill": ratios, "goal": ">= 0.95", "modes": results,
              "versions": {"torch": torch.__version__, "vllm": _vllm_version(), "python": platform.python_version()}}
