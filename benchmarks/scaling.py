@@ -131,7 +131,7 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     for k in (1, args.gpus):
         name = f"{args.run}-scale{k}"
         dst = fork_run(src, src.parent / name)
-        cmd = ["torchrun", f"--nproc-per-node={k}", "-m", "eagle3lib.train", "--config", args.config, "--run", name,
+        cmd = ["torchrun", f"--nproc-per-node={k}", "-m", "eagle3lib.train", "--config", args.config, "--run-name", name,
                "-p", "train.epochs=1", "-p", f"train.max_steps={args.steps}", "-p", "train.val_every=1",
                "--no-manifest"]
         log(" ".join(cmd))

@@ -49,6 +49,17 @@ def _cmd_stages(_: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from eagle3lib.report import compare_runs
+
+    missing = [str(r) for r in args.runs if not (r / "manifests").is_dir()]
+    if missing:
+        raise WorkbookError(f"not a run folder (no manifests/): {', '.join(missing)}",
+                            "pass run folders such as outputs/demo")
+    print(compare_runs(list(args.runs)))
+    return 0
+
+
 def lab_argv(root_dir: Path, *, ip: str, port: int, token: str, default_url: str) -> list[str]:
     """The JupyterLab command line `eagle3 lab` runs; the browser test starts the same one on a copy of the notebooks.
 
@@ -124,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
     stages = sub.add_parser("stages", help="list the stages")
     stages.set_defaults(func=_cmd_stages)
+    compare = sub.add_parser("compare", help="one table of tau and wall time across runs (markdown)")
+    compare.add_argument("runs", nargs="+", type=Path, help="run folders, e.g. outputs/a outputs/b")
+    compare.set_defaults(func=_cmd_compare)
     lab = sub.add_parser("lab", help="open the workbook in JupyterLab (127.0.0.1, with a token)")
     lab.add_argument("--ip", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     lab.add_argument("--port", type=int, default=8888, help="first port to try (default 8888; the next free one)")

@@ -2,6 +2,8 @@
 
 Three measures, reported the way vLLM reports them (see `speculative.Acceptance`): mean acceptance length
 tau = 1 + accepted / drafts, per-position rate = accepted at p / drafts, draft acceptance rate = accepted / drafted.
+Live methods also get tokens_per_step = generated / target forwards: tau counts only the steps that drafted, which
+for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step compares it with a draft.
 
 - offline: the draft run teacher-forced over stored hidden states (no generation): over the validation rows of the
   stage 02 dataset (the quick number), and over the target's own greedy continuations of the held-out prompts (which
@@ -20,7 +22,9 @@ Headless: eagle3 run --config configs/demo.yaml --stages 06
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,7 @@ from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import StageRun
 from eagle3lib.speculative import Acceptance
 
+log = logging.getLogger("eagle3lib.evaluate")
 NGRAM = "vllm n-gram (no draft)"  # the baseline's row in by_method and the report
 
 # ------------------------------------------------------------------------------------------------------ inputs
@@ -169,7 +174,8 @@ def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_
                            "identical": r.output_ids == ref, "tau": r.acceptance.tau})
         bar.set_postfix(tau=f"{acc.tau:.2f}", spec_tok_s=f"{spec_tok / max(spec_s, 1e-9):.0f}",
                         base_tok_s=f"{base_tok / max(base_s, 1e-9):.0f}")
-    return {"acceptance": acc.to_dict(), "identical": identical, "prompts": len(prompts),
+    outputs = [r["output_ids"] for r in per_prompt]
+    return {"acceptance": with_tokens_per_step(acc.to_dict(), outputs), "identical": identical, "prompts": len(prompts),
             "spec_tokens_per_s": spec_tok / spec_s if spec_s else None,
             "baseline_tokens_per_s": base_tok / base_s if base_s else None,
             "speedup": (spec_tok / spec_s) / (base_tok / base_s) if spec_s and base_s and base_tok else None,
@@ -234,6 +240,13 @@ def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int |
     return res, len(rows_idx)
 
 
+def with_tokens_per_step(acceptance: dict[str, Any], outputs: list[list[int]]) -> dict[str, Any]:
+    """The acceptance dict plus tokens_per_step = generated tokens / target forwards, where forwards = generated -
+    accepted (every forward yields one token of its own plus the accepted drafts; the prefill counts as one)."""
+    generated = sum(len(o) for o in outputs)
+    return {**acceptance, "tokens_per_step": round(generated / max(1, generated - acceptance["accepted"]), 4)}
+
+
 def vllm_job(inp: EvalInputs, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> dict[str, Any]:
     """What every vLLM run of the evaluation shares: target, prompts, length, dtype."""
     longest = max(len(p) for p in prompts) + max_new_tokens + 8
@@ -249,7 +262,8 @@ def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens:
 
     r = run_in_subprocess({**vllm_job(inp, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}, workdir,
                           f"ngram_k{k}")
-    return {"acceptance": Acceptance.from_dict(r["acceptance"]).to_dict(), "tokens_per_s": r["tokens_per_s"],
+    return {"acceptance": with_tokens_per_step(Acceptance.from_dict(r["acceptance"]).to_dict(), r["outputs"]),
+            "tokens_per_s": r["tokens_per_s"],
             "engine_start_s": r["engine_start_s"], "outputs": r["outputs"]}
 
 
@@ -266,7 +280,7 @@ def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: 
     main = runs[k]
     identical = sum(int(a == b) for a, b in zip(main["outputs"], base["outputs"], strict=True))
     return {
-        "acceptance": Acceptance.from_dict(main["acceptance"]).to_dict(),
+        "acceptance": with_tokens_per_step(Acceptance.from_dict(main["acceptance"]).to_dict(), main["outputs"]),
         "sweep": {kk: Acceptance.from_dict(r["acceptance"]).to_dict() for kk, r in runs.items()},
         "identical": identical, "prompts": len(prompts),
         "spec_tokens_per_s": main["tokens_per_s"], "baseline_tokens_per_s": base["tokens_per_s"],
@@ -361,6 +375,47 @@ def plot_speedup(results: dict[str, Any], path: Path):
 # ------------------------------------------------------------------------------------------------------ stage
 
 
+def _file_stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+class FinishedMethods:
+    """The methods a failed or interrupted stage 06 finished, kept in eval/partial.json after each one and reused
+    by a rerun that evaluates the same weights on the same prompts with the same settings (`fingerprint`): a vLLM
+    failure after a 7-minute embedded run on a GPU must not cost those 7 minutes again. Removed on success."""
+
+    def __init__(self, path: Path, fingerprint: dict[str, Any]):
+        self.path, self.fingerprint = path, fingerprint
+        try:
+            data = json.loads(path.read_text())
+            self.methods: dict[str, Any] = data["methods"] if data.get("fingerprint") == fingerprint else {}
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            self.methods = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.methods
+
+    def run(self, name: str, fn: Any, results: dict[str, Any]) -> Any:
+        """`fn()`'s value for method `name`: kept from an earlier attempt, or computed now and kept (with its
+        seconds in results["seconds"][name])."""
+        if name in self.methods:
+            log.info("stage 06: %s reused from %s (same weights, prompts and settings)", name, self.path.name)
+            results["seconds"][name] = self.methods[name]["seconds"]
+            results.setdefault("reused", []).append(name)
+            return self.methods[name]["value"]
+        t0 = time.perf_counter()
+        value = fn()
+        self.methods[name] = {"value": value, "seconds": round(time.perf_counter() - t0, 2)}
+        results["seconds"][name] = self.methods[name]["seconds"]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(self.path, {"fingerprint": self.fingerprint, "methods": self.methods})
+        return value
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
     """Run every configured method; write eval/results.json. Returns the results (figures and report separately)."""
     from eagle3lib.speculative import load_draft
@@ -382,46 +437,58 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
                                "max_new_tokens": cfg.max_new_tokens, "device": device, "dtype": str(dtype),
                                "checkpoint": str(inp.checkpoint), "target": str(inp.model_dir), "by_method": {},
                                "sweep": {}, "seconds": {}}
+    done = FinishedMethods(stage.rd.path("eval", "partial.json"), {
+        **{key: results[key] for key in ("k", "sweep_k", "max_new_tokens", "device", "dtype", "checkpoint")},
+        "weights": _file_stamp(Path(inp.checkpoint) / "model.safetensors"), "offline_max_rows": cfg.offline_max_rows,
+        "vllm_sweep": cfg.vllm_sweep, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()})
     target = None
-    if "embedded" in cfg.methods or "offline" in cfg.methods:
+    if ("embedded" in cfg.methods and not done.has("embedded")) or "offline" in cfg.methods:
         target = load_target(inp.model_dir, device, dtype)
     eos = eos_ids(target, tok) if target is not None else []
     if "offline" in cfg.methods and inp.val_rows > 0:
-        t0 = time.perf_counter()
-        rows_acc, n_rows = run_offline_rows(draft, inp, ks, cfg.offline_max_rows, progress=progress)
-        results["offline_rows"] = {"rows": n_rows, "acceptance": rows_acc[k].to_dict(),
-                                   "sweep": {kk: a.to_dict() for kk, a in rows_acc.items()}}
-        results["by_method"]["offline (validation rows)"] = rows_acc[k].to_dict()
-        results["sweep"]["offline (validation rows)"] = {str(kk): a.to_dict() for kk, a in rows_acc.items()}
-        results["seconds"]["offline_rows"] = round(time.perf_counter() - t0, 2)
+        def offline_rows() -> dict[str, Any]:
+            rows_acc, n_rows = run_offline_rows(draft, inp, ks, cfg.offline_max_rows, progress=progress)
+            return {"rows": n_rows, "acceptance": rows_acc[k].to_dict(),
+                    "sweep": {str(kk): a.to_dict() for kk, a in rows_acc.items()}}
+
+        rows = done.run("offline_rows", offline_rows, results)
+        results["offline_rows"] = rows
+        results["by_method"]["offline (validation rows)"] = rows["acceptance"]
+        results["sweep"]["offline (validation rows)"] = rows["sweep"]
     continuations: list[list[int]] | None = None
     if "embedded" in cfg.methods:
-        t0 = time.perf_counter()
-        emb = run_embedded(target, draft, prompts, k, cfg.max_new_tokens, eos, progress=progress)
-        results["embedded"] = {key: v for key, v in emb.items() if key != "per_prompt"}
-        results["by_method"]["embedded"] = emb["acceptance"]
-        continuations = [r["verified_ids"] for r in emb["per_prompt"]]
-        results["embedded_outputs"] = [r["output_ids"] for r in emb["per_prompt"]]
-        results["seconds"]["embedded"] = round(time.perf_counter() - t0, 2)
-    if "offline" in cfg.methods:
-        t0 = time.perf_counter()
-        if continuations is None:  # no decoder run: the target's plain greedy continuations
-            from eagle3lib.speculative import greedy_generate
+        def embedded() -> dict[str, Any]:
+            emb = run_embedded(target, draft, prompts, k, cfg.max_new_tokens, eos, progress=progress)
+            return {**{key: v for key, v in emb.items() if key != "per_prompt"},
+                    "outputs": [r["output_ids"] for r in emb["per_prompt"]],
+                    "verified": [r["verified_ids"] for r in emb["per_prompt"]]}
 
-            continuations = [greedy_generate(target, p, cfg.max_new_tokens, eos or None)[0] for p in prompts]
-        sim = run_offline_continuations(target, draft, prompts, continuations, ks)
-        results["offline_heldout"] = {str(kk): {n: a.to_dict() for n, a in parts.items()} for kk, parts in sim.items()}
-        results["by_method"]["offline (held-out, all starts)"] = sim[k]["all"].to_dict()
-        results["by_method"]["offline (held-out, decoder path)"] = sim[k]["path"].to_dict()
-        results["sweep"]["offline (held-out, decoder path)"] = {str(kk): sim[kk]["path"].to_dict() for kk in ks}
-        results["sweep"]["offline (held-out, all starts)"] = {str(kk): sim[kk]["all"].to_dict() for kk in ks}
-        results["seconds"]["offline_heldout"] = round(time.perf_counter() - t0, 2)
-    del target
+        emb = done.run("embedded", embedded, results)
+        results["embedded"] = {key: v for key, v in emb.items() if key not in ("outputs", "verified")}
+        results["by_method"]["embedded"] = emb["acceptance"]
+        continuations = emb["verified"]
+        results["embedded_outputs"] = emb["outputs"]
+    if "offline" in cfg.methods:
+        def offline_heldout() -> dict[str, Any]:
+            conts = continuations
+            if conts is None:  # no decoder run: the target's plain greedy continuations
+                from eagle3lib.speculative import greedy_generate
+
+                conts = [greedy_generate(target, p, cfg.max_new_tokens, eos or None)[0] for p in prompts]
+            sim = run_offline_continuations(target, draft, prompts, conts, ks)
+            return {str(kk): {n: a.to_dict() for n, a in parts.items()} for kk, parts in sim.items()}
+
+        held = done.run("offline_heldout", offline_heldout, results)
+        results["offline_heldout"] = held
+        results["by_method"]["offline (held-out, all starts)"] = held[str(k)]["all"]
+        results["by_method"]["offline (held-out, decoder path)"] = held[str(k)]["path"]
+        results["sweep"]["offline (held-out, decoder path)"] = {str(kk): held[str(kk)]["path"] for kk in ks}
+        results["sweep"]["offline (held-out, all starts)"] = {str(kk): held[str(kk)]["all"] for kk in ks}
+    target = None  # free it before vLLM starts
     vdtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     if "vllm" in cfg.methods:
-        t0 = time.perf_counter()
-        live = run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"), vdtype,
-                        sweep=ks if cfg.vllm_sweep else None)
+        live = done.run("vllm", lambda: run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
+                                                 vdtype, sweep=ks if cfg.vllm_sweep else None), results)
         results["vllm"] = {key: v for key, v in live.items() if key not in ("outputs", "baseline_outputs", "sweep")}
         results["by_method"]["vllm"] = live["acceptance"]
         if cfg.vllm_sweep:
@@ -429,18 +496,17 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
         if "embedded_outputs" in results:
             results["vllm"]["identical_to_embedded"] = sum(
                 int(a == b) for a, b in zip(live["baseline_outputs"], results["embedded_outputs"], strict=True))
-        results["seconds"]["vllm"] = round(time.perf_counter() - t0, 2)
     if "ngram" in cfg.methods:
-        t0 = time.perf_counter()
-        ng = run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"), vdtype)
+        ng = done.run("ngram", lambda: run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
+                                                 vdtype), results)
         results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}
         results["by_method"][NGRAM] = ng["acceptance"]
         if "embedded_outputs" in results:
             results["ngram"]["identical_to_embedded"] = sum(
                 int(a == b) for a, b in zip(ng["outputs"], results["embedded_outputs"], strict=True))
-        results["seconds"]["ngram"] = round(time.perf_counter() - t0, 2)
     results["seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     atomic.write_json(stage.rd.path("eval", "results.json"), results)
+    done.clear()
     return results
 
 

@@ -19,11 +19,12 @@ from eagle3lib.rundir import RunDir
 from eagle3lib.stages import ALL_STAGES
 
 
-def read_manifests(rd: RunDir) -> dict[str, dict[str, Any]]:
+def read_manifests(rd: RunDir | Path) -> dict[str, dict[str, Any]]:
     """Every manifest present, by stage id, read as-is (no config-hash check: the report shows what is there)."""
+    root = rd.root if isinstance(rd, RunDir) else Path(rd)
     out: dict[str, dict[str, Any]] = {}
     for stage in ALL_STAGES:
-        path = rd.manifest_path(stage)
+        path = root / "manifests" / f"{stage.key}.json"
         if path.is_file():
             try:
                 out[stage.id] = json.loads(path.read_text())
@@ -83,10 +84,12 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if results:
         by = results.get("by_method", {})
         head = [f"**k = {results.get('k')}**"]
-        for name in ("vllm", "embedded", "offline (held-out, decoder path)", "offline (validation rows)",
-                     "vllm n-gram (no draft)"):
+        for name in ("vllm", "embedded", "offline (held-out, decoder path)", "offline (validation rows)"):
             if name in by:
                 head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
+        ngram = by.get("vllm n-gram (no draft)", {})
+        if ngram.get("tokens_per_step"):  # its tau counts only the steps where a match was found
+            head.append(f"n-gram lookup (no draft): **{ngram['tokens_per_step']:.2f}** tokens per target step")
         for name in ("vllm", "embedded"):
             r = results.get(name)
             if r and r.get("speedup"):
@@ -127,13 +130,15 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     out += ["## Acceptance (stage 06)", ""]
     if results:
         out.append(f"Prompts: {results.get('prompt_source')}; up to {results.get('max_new_tokens')} new tokens each, "
-                   f"greedy. τ = 1 + accepted / drafts; per-position rate = accepted at p / drafts.")
+                   f"greedy. τ = 1 + accepted / drafts; per-position rate = accepted at p / drafts; tokens per "
+                   f"step = generated / target forwards (live methods; the fair figure for n-gram lookup, whose τ "
+                   f"counts only the steps where it found a match and drafted).")
         out.append("")
         rows = []
         for name, a in results.get("by_method", {}).items():
-            rows.append([name, a["tau"], a["draft_acceptance_rate"], " / ".join(f"{r:.2f}" for r in a["per_pos_rate"]),
-                         a["drafts"]])
-        out += [_table(["method", "τ", "draft acceptance", "per position", "drafts"], rows), ""]
+            rows.append([name, a["tau"], a.get("tokens_per_step"), a["draft_acceptance_rate"],
+                         " / ".join(f"{r:.2f}" for r in a["per_pos_rate"]), a["drafts"]])
+        out += [_table(["method", "τ", "tokens per step", "draft acceptance", "per position", "drafts"], rows), ""]
         sweep = results.get("sweep", {})
         if sweep:
             ks = sorted({int(k) for s in sweep.values() for k in s})
@@ -174,6 +179,37 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if nbs:
         out += ["Executed notebooks: " + ", ".join(f"[{p.stem}](notebooks/{p.name})" for p in nbs), ""]
     return "\n".join(out)
+
+
+def compare_runs(roots: list[Path]) -> str:
+    """One table across runs (drafts trained on different layers, data or settings; same held-out prompts when
+    they share stage 02's eval split), plus vLLM's n-gram lookup from the first run that measured it: what
+    `eagle3 compare` prints. Only recorded numbers; a stage a run lacks shows as —."""
+    rows, ngram = [], None
+    for root in roots:
+        man = read_manifests(root)
+        try:
+            results = json.loads((root / "eval" / "results.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            results = {}
+        by = results.get("by_method", {})
+        live = by.get("vllm") or by.get("embedded") or {}
+        m05 = man.get("05", {}).get("metrics", {})
+        rows.append([root.name, (man.get("02", {}).get("metrics", {}).get("layer_ids") or [None])[:-1] or None,
+                     m05.get("val_eal"), by.get("embedded", {}).get("tau"), by.get("vllm", {}).get("tau"),
+                     live.get("tokens_per_step"),
+                     " / ".join(f"{r:.2f}" for r in live["per_pos_rate"]) if live.get("per_pos_rate") else None,
+                     man.get("05", {}).get("seconds"),
+                     round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None])
+        if ngram is None and "vllm n-gram (no draft)" in by:
+            ng = by["vllm n-gram (no draft)"]
+            ngram = ["vLLM n-gram lookup (no draft)", None, None, None, ng["tau"], ng.get("tokens_per_step"),
+                     " / ".join(f"{r:.2f}" for r in ng["per_pos_rate"]), None, None]
+    header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "tokens per step", "per position",
+              "train s", "stages s"]
+    note = ("τ = 1 + accepted / drafts (over the steps that drafted); tokens per step = generated / target forwards, "
+            "from vLLM where it ran, else the embedded decoder; per position = accepted at p / drafts.")
+    return "\n".join([_table(header, rows + ([ngram] if ngram else [])), "", note])
 
 
 def write_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> Path:

@@ -18,7 +18,7 @@ What this module adds around speculators (and nothing else: no second EAGLE-3 im
 
 Run it:
   one process (CPU or one GPU):   eagle3 run --config configs/demo.yaml --run demo --stages 05
-  several GPUs (DDP):             torchrun --nproc-per-node 4 -m eagle3lib.train --config CONFIG --run NAME
+  several GPUs (DDP):             torchrun --nproc-per-node 4 -m eagle3lib.train --config CONFIG --run-name NAME
                                   (or set train.nproc_per_node=4: notebook 05 then launches exactly that command)
   tiny CPU check:                 pytest tests/test_train.py
 Writes (under the run directory): draft/checkpoints/<epoch>/ (speculators format, vLLM eagle3-loadable),
@@ -696,11 +696,33 @@ def finalize_checkpoint(ckpt: Path, inp: TrainInputs) -> None:
     from eagle3lib.verifier import point_checkpoint_at_target
 
     point_checkpoint_at_target(ckpt, inp.model_dir)
+    pin_aux_layer_count(ckpt)
     atomic.write_json(ckpt / "workbook.json", {
         "verifier_dir_relative": os.path.relpath(Path(inp.verifier_dir).resolve(), ckpt.resolve()),
         "target_dir": str(Path(inp.model_dir).resolve()),
         "aux_layer_ids": inp.aux_layer_ids, "draft_vocab_size": inp.draft_vocab_size,
     })
+
+
+def vllm_fc_aux_count(hf: dict[str, Any]) -> int:
+    """How many aux layers vLLM's Eagle3 llama draft sizes its fc for (llama_eagle3.py, 0.26 to 0.32): the config's
+    num_aux_hidden_states, else eagle_config's layer ids, else 3. The top-level eagle_aux_hidden_state_layer_ids that
+    vLLM's own speculators parser writes is NOT read there, so a draft on 1, 2 or 4+ layers fails to load without
+    num_aux_hidden_states ("Tried to load weights of size [576, 576] to a parameter of size [576, 1728]")."""
+    if hf.get("num_aux_hidden_states"):
+        return int(hf["num_aux_hidden_states"])
+    return len((hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []) or 3
+
+
+def pin_aux_layer_count(ckpt: str | Path) -> None:
+    """Write num_aux_hidden_states into the checkpoint's transformer_layer_config (which vLLM's parser passes
+    through to the draft's config) so vLLM sizes the fc for the layers the draft was trained on."""
+    path = Path(ckpt) / "config.json"
+    cfg = json.loads(path.read_text())
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if aux:
+        cfg.setdefault("transformer_layer_config", {})["num_aux_hidden_states"] = len(aux)
+        atomic.write_json(path, cfg)
 
 
 def resolve_verifier(ckpt: Path, verifier: str | Path | None = None) -> str:
@@ -757,6 +779,9 @@ def check_vllm_config(ckpt: str | Path, *, hidden_size: int, aux_layer_ids: list
     for key, value in want.items():
         if hf.get(key) != value:
             problems.append(f"{key}: vLLM reads {hf.get(key)!r}, expected {value!r}")
+    if vllm_fc_aux_count(hf) != len(aux_layer_ids):
+        problems.append(f"vLLM sizes the draft's fc for {vllm_fc_aux_count(hf)} aux layers, the draft has "
+                        f"{len(aux_layer_ids)} (num_aux_hidden_states missing: see pin_aux_layer_count)")
     if hf.get("target_hidden_size", hidden_size) != hidden_size:
         problems.append(f"target_hidden_size {hf.get('target_hidden_size')} != {hidden_size}")
     if spec.get("method") != "eagle3" or spec.get("num_speculative_tokens") != ttt_steps:
@@ -848,7 +873,7 @@ def launch_command(config: str, run: str | None, overrides: list[str], nproc: in
     """The torchrun command notebook 05 runs when train.nproc_per_node > 1."""
     cmd = ["torchrun", f"--nproc-per-node={nproc}", "-m", "eagle3lib.train", "--config", str(config)]
     if run:
-        cmd += ["--run", run]
+        cmd += ["--run-name", run]  # not --run: torchrun reads it as an ambiguous prefix of its --run-path
     for o in overrides:
         cmd += ["-p", o]
     return cmd
@@ -860,7 +885,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--run", default=None)
+    p.add_argument("--run-name", dest="run", default=None,
+                   help="run name (not --run: under torchrun that is an ambiguous prefix of torchrun's --run-path)")
     p.add_argument("-p", dest="overrides", action="append", default=[])
     p.add_argument("--no-manifest", action="store_true", help="do not write manifests/05 (the notebook writes it)")
     a = p.parse_args(argv)

@@ -304,6 +304,19 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
     assert ngram["method"] == "ngram" and ngram["outputs"][:2] == base["outputs"]
     ng = Acceptance.from_dict(ngram["acceptance"])
     assert ng.drafts > 0 and ng.draft_tokens == 2 * ng.drafts and 0 <= ng.accepted <= ng.draft_tokens
+    # a draft on ONE aux layer (EAGLE-1 style, the recipe's comparison row): vLLM sizes its fc for 3 unless the
+    # checkpoint says otherwise; stage 05's pin_aux_layer_count does, and the check sees the difference
+    from eagle3lib import train
+
+    one = tmp_path / "draft_one_layer"
+    _draft_model(smollm2_dir, [29], 2048).save_pretrained(str(one))
+    check = dict(hidden_size=576, aux_layer_ids=[29], draft_vocab_size=2048, ttt_steps=3, target_vocab_size=49152)
+    assert any("sizes the draft's fc for 3" in p for p in train.check_vllm_config(one, **check))
+    train.pin_aux_layer_count(one)
+    assert train.check_vllm_config(one, **check) == []
+    single = run_in_subprocess({**job, "draft": str(one), "k": 2}, tmp_path / "vllm", "eagle3_one_layer",
+                               timeout_s=600)
+    assert single["outputs"] == base["outputs"] and Acceptance.from_dict(single["acceptance"]).drafts > 0
 
 
 def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, tmp_path):
@@ -330,3 +343,31 @@ def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, t
         assert rd.figure_path("06", name).stat().st_size > 1000
     report = rd.path("report.md").read_text()
     assert "Report card" in report and "06_evaluate_acceptance" in report and "τ vs k" in report
+    assert not rd.path("eval", "partial.json").exists()  # finished methods are kept only until the stage succeeds
+
+
+def test_a_failed_method_keeps_the_finished_ones_for_the_rerun(tmp_path):
+    """Stage 06 after a vLLM failure: the rerun reuses what finished (same fingerprint), recomputes on a change."""
+    from eagle3lib.evaluate import FinishedMethods
+
+    path, fp = tmp_path / "eval" / "partial.json", {"weights": [10, 1], "prompts": "abc", "k": 3}
+    calls: list[str] = []
+
+    def embedded():
+        calls.append("embedded")
+        return {"tau": 2.0}
+
+    def vllm_fails():
+        raise RuntimeError("engine died")
+
+    first: dict = {"seconds": {}}
+    assert FinishedMethods(path, fp).run("embedded", embedded, first) == {"tau": 2.0}
+    with pytest.raises(RuntimeError):
+        FinishedMethods(path, fp).run("vllm", vllm_fails, first)
+    again: dict = {"seconds": {}}
+    done = FinishedMethods(path, fp)
+    assert done.run("embedded", embedded, again) == {"tau": 2.0} and calls == ["embedded"]  # reused, not rerun
+    assert again["reused"] == ["embedded"] and "embedded" in again["seconds"] and not done.has("vllm")
+    assert not FinishedMethods(path, {**fp, "weights": [10, 2]}).has("embedded")  # retrained draft: recomputed
+    done.clear()
+    assert not path.exists()

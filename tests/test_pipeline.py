@@ -73,4 +73,18 @@ def test_training_and_evaluation_results(pipeline_run):
     assert "vllm n-gram (no draft)" in ev["tau"] and "vllm n-gram (no draft)" in report  # the draft-free baseline
     results = json.loads((pipeline_run / "eval" / "results.json").read_text())
     assert results["ngram"]["identical_to_embedded"] == 2  # n-gram lookup is lossless too
+    # tokens per target step from the counters matches the embedded decoder's own count of target forwards
+    emb, by = results["embedded"], results["by_method"]
+    assert by["embedded"]["tokens_per_step"] == pytest.approx(emb["generated_tokens"] / emb["target_forwards"],
+                                                              rel=0.05)
+    ng = by["vllm n-gram (no draft)"]
+    assert 1.0 <= ng["tokens_per_step"] <= ng["tau"]  # tau counts only the steps where the lookup drafted
+    # `eagle3 compare`: one row per run plus the n-gram row, the numbers as recorded
+    from eagle3lib.cli import main
+    from eagle3lib.report import compare_runs
+
+    table = compare_runs([pipeline_run])
+    assert f"| {pipeline_run.name} | [2, 15, 27] |" in table and f"{by['embedded']['tau']:.3f}" in table
+    assert "n-gram lookup (no draft)" in table and f"{ng['tokens_per_step']:.3f}" in table
+    assert main(["compare", str(pipeline_run / "figures")]) == 2  # not a run folder: one clear error
     assert len(list((pipeline_run / "figures").glob("*.png"))) >= 10

@@ -141,3 +141,20 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     moved = tmp_path / "elsewhere"
     shutil.move(str(rd.root), moved)
     assert train.load_draft(moved / "draft" / "checkpoints" / "2") is not None
+
+
+def test_torchrun_accepts_the_multi_gpu_command():
+    """The command notebook 05 and the README give for several GPUs, through the real torchrun launcher, ends in our
+    own argument parser. (`--run` did not: torchrun rejects it as an ambiguous prefix of its --run-path, which a GPU
+    session found only after the stages before it had run.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = train.launch_command("configs/demo.yaml", "some-run", ["train.epochs=1"], 1) + ["--help"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), *cmd[1:]], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--run-name" in proc.stdout and "usage: torchrun" not in proc.stderr
+    bad = [str(torchrun), *[("--run" if a == "--run-name" else a) for a in cmd[1:]]]  # the test can fail
+    assert "ambiguous option: --run" in subprocess.run(bad, capture_output=True, text=True, timeout=120).stderr
