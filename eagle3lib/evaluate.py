@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,40 +147,100 @@ def load_target(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
 # ---------------------------------------------------------------------------------------------------- methods
 
 
-def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_new_tokens: int, eos: list[int],
-                 progress: bool = True) -> dict[str, Any]:
-    """Speculative decoding of every prompt, and the target's plain greedy output of the same prompts for both the
-    losslessness check and the baseline speed (batch 1 both: the decoder is batch 1)."""
-    from tqdm.auto import tqdm
-
+def embedded_one(target: Any, draft: Any, prompt: list[int], k: int, max_new_tokens: int,
+                 eos: list[int]) -> dict[str, Any]:
+    """One held-out prompt: the target's plain greedy output (reference and baseline speed), then the speculative
+    decoder's, batch 1 both."""
     from eagle3lib.speculative import greedy_generate, speculative_generate
+
+    ref, base_s = greedy_generate(target, prompt, max_new_tokens, eos_token_id=eos or None)
+    r = speculative_generate(target, draft, prompt, k, max_new_tokens, eos_token_id=eos or None)
+    return {"prompt_len": len(prompt), "ref": ref, "base_s": base_s, "output_ids": r.output_ids,
+            "verified_ids": r.verified_ids, "spec_s": r.seconds, "forwards": r.target_forwards,
+            "acceptance": r.acceptance.to_dict()}
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _embedded_worker_init(model_dir: str, checkpoint: str, device: str, dtype: str, args: tuple) -> None:
+    from eagle3lib.speculative import load_draft
+
+    torch.set_num_threads(1)  # the GPU computes; more host threads only contend between the workers
+    dt = getattr(torch, dtype)
+    _WORKER.update(target=load_target(Path(model_dir), device, dt), draft=load_draft(checkpoint, device=device,
+                                                                                     dtype=dt), args=args)
+
+
+def _embedded_worker(prompt: list[int]) -> dict[str, Any]:
+    return embedded_one(_WORKER["target"], _WORKER["draft"], prompt, *_WORKER["args"])
+
+
+def embedded_workers(target: Any, device: str, prompts: int) -> int:
+    """How many processes share the device for the embedded decoder. Batch-1 decoding of a small target is bound by
+    Python and kernel launches, not by the GPU (SmolLM2 on an H200: 36 tokens/s, the GPU mostly idle), so on a GPU
+    the prompts go to up to 8 processes (half the CPU cores, each holding a copy of the target within half the free
+    GPU memory); on a CPU one process, whose threads already use every core."""
+    if not device.startswith("cuda") or prompts < 2:
+        return 1
+    weights = sum(t.numel() * t.element_size() for t in target.parameters())
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return max(1, min(8, (os.cpu_count() or 2) // 2, prompts, int(free * 0.5 // max(weights, 1))))
+
+
+def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_new_tokens: int, eos: list[int],
+                 progress: bool = True, workers: int = 1, load: tuple[Path, Path, str, str] | None = None
+                 ) -> dict[str, Any]:
+    """Speculative decoding of every prompt, and the target's plain greedy output of the same prompts for both the
+    losslessness check and the baseline speed (batch 1 both: the decoder is batch 1). With workers > 1 the prompts
+    go to that many processes, each loading `load` = (model dir, checkpoint, device, dtype name); speeds are then
+    per process (each shares the device with the others, for the baseline and the draft alike)."""
+    from tqdm.auto import tqdm
 
     acc = Acceptance(k)
     spec_s = base_s = 0.0
-    spec_tok = base_tok = forwards = 0
-    identical = 0
-    per_prompt = []
-    bar = tqdm(prompts, desc=f"embedded k={k}", disable=not progress, unit="prompt")
-    for p in bar:
-        ref, secs = greedy_generate(target, p, max_new_tokens, eos_token_id=eos or None)
-        base_s += secs
-        base_tok += len(ref)
-        r = speculative_generate(target, draft, p, k, max_new_tokens, eos_token_id=eos or None)
-        spec_s += r.seconds
-        spec_tok += len(r.output_ids)
-        forwards += r.target_forwards
-        acc.merge(r.acceptance)
-        identical += int(r.output_ids == ref)
-        per_prompt.append({"prompt_len": len(p), "output_ids": r.output_ids, "verified_ids": r.verified_ids,
-                           "identical": r.output_ids == ref, "tau": r.acceptance.tau})
+    spec_tok = base_tok = forwards = identical = 0
+    per_prompt: list[dict[str, Any] | None] = [None] * len(prompts)
+    bar = tqdm(total=len(prompts), desc=f"embedded k={k}" + (f" ({workers} processes)" if workers > 1 else ""),
+               disable=not progress, unit="prompt")
+
+    def add(i: int, r: dict[str, Any]) -> None:
+        nonlocal spec_s, base_s, spec_tok, base_tok, forwards, identical
+        base_s += r["base_s"]
+        base_tok += len(r["ref"])
+        spec_s += r["spec_s"]
+        spec_tok += len(r["output_ids"])
+        forwards += r["forwards"]
+        acc.merge(Acceptance.from_dict(r["acceptance"]))
+        identical += int(r["output_ids"] == r["ref"])
+        per_prompt[i] = {"prompt_len": r["prompt_len"], "output_ids": r["output_ids"],
+                         "verified_ids": r["verified_ids"], "identical": r["output_ids"] == r["ref"]}
+        bar.update(1)
         bar.set_postfix(tau=f"{acc.tau:.2f}", spec_tok_s=f"{spec_tok / max(spec_s, 1e-9):.0f}",
                         base_tok_s=f"{base_tok / max(base_s, 1e-9):.0f}")
-    outputs = [r["output_ids"] for r in per_prompt]
+
+    if workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        if load is None:
+            raise ValueError("workers > 1 needs load = (model dir, checkpoint, device, dtype)")
+        model_dir, ckpt, device, dtype = load
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_embedded_worker_init,
+                                 initargs=(str(model_dir), str(ckpt), device, dtype, (k, max_new_tokens, eos))) as ex:
+            futures = {ex.submit(_embedded_worker, p): i for i, p in enumerate(prompts)}
+            for f in as_completed(futures):
+                add(futures[f], f.result())
+    else:
+        for i, p in enumerate(prompts):
+            add(i, embedded_one(target, draft, p, k, max_new_tokens, eos))
+    bar.close()
+    outputs = [r["output_ids"] for r in per_prompt]  # type: ignore[index]
     return {"acceptance": with_tokens_per_step(acc.to_dict(), outputs), "identical": identical, "prompts": len(prompts),
             "spec_tokens_per_s": spec_tok / spec_s if spec_s else None,
             "baseline_tokens_per_s": base_tok / base_s if base_s else None,
             "speedup": (spec_tok / spec_s) / (base_tok / base_s) if spec_s and base_s and base_tok else None,
-            "target_forwards": forwards, "generated_tokens": spec_tok, "per_prompt": per_prompt}
+            "target_forwards": forwards, "generated_tokens": spec_tok, "workers": workers, "per_prompt": per_prompt}
 
 
 def run_offline_continuations(target: Any, draft: Any, prompts: list[list[int]], continuations: list[list[int]],
@@ -426,6 +487,7 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
     dtype = target_dtype(stage.cfg.target.dtype, device)
     k = cfg.num_draft_tokens
     ks = sorted(set(cfg.sweep_k) | {k})
+    dtype_name = str(dtype).removeprefix("torch.")
     t_all = time.perf_counter()
     draft = load_draft(inp.checkpoint, device=device, dtype=dtype)
     if list(draft.layer_ids) != list(inp.layer_ids[:-1]):
@@ -458,7 +520,9 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
     continuations: list[list[int]] | None = None
     if "embedded" in cfg.methods:
         def embedded() -> dict[str, Any]:
-            emb = run_embedded(target, draft, prompts, k, cfg.max_new_tokens, eos, progress=progress)
+            workers = embedded_workers(target, device, len(prompts))
+            emb = run_embedded(target, draft, prompts, k, cfg.max_new_tokens, eos, progress=progress,
+                               workers=workers, load=(inp.model_dir, inp.checkpoint, device, dtype_name))
             return {**{key: v for key, v in emb.items() if key != "per_prompt"},
                     "outputs": [r["output_ids"] for r in emb["per_prompt"]],
                     "verified": [r["verified_ids"] for r in emb["per_prompt"]]}
@@ -485,10 +549,9 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
         results["sweep"]["offline (held-out, decoder path)"] = {str(kk): held[str(kk)]["path"] for kk in ks}
         results["sweep"]["offline (held-out, all starts)"] = {str(kk): held[str(kk)]["all"] for kk in ks}
     target = None  # free it before vLLM starts
-    vdtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     if "vllm" in cfg.methods:
         live = done.run("vllm", lambda: run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
-                                                 vdtype, sweep=ks if cfg.vllm_sweep else None), results)
+                                                 dtype_name, sweep=ks if cfg.vllm_sweep else None), results)
         results["vllm"] = {key: v for key, v in live.items() if key not in ("outputs", "baseline_outputs", "sweep")}
         results["by_method"]["vllm"] = live["acceptance"]
         if cfg.vllm_sweep:
@@ -498,7 +561,7 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
                 int(a == b) for a, b in zip(live["baseline_outputs"], results["embedded_outputs"], strict=True))
     if "ngram" in cfg.methods:
         ng = done.run("ngram", lambda: run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
-                                                 vdtype), results)
+                                                 dtype_name), results)
         results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}
         results["by_method"][NGRAM] = ng["acceptance"]
         if "embedded_outputs" in results:

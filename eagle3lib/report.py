@@ -154,6 +154,14 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         if rows:
             out += ["Speed (generated tokens/s, greedy, same prompts; embedded is batch 1, vLLM batches them all):",
                     "", _table(["engine", "target alone", "with draft", "speedup", "identical outputs"], rows), ""]
+            emb = results.get("embedded") or {}
+            if "float32" not in str(results.get("dtype")) and emb and emb.get("identical") != emb.get("prompts"):
+                other = (results.get("vllm") or {}).get("identical_to_embedded")
+                out += [f"In {str(results.get('dtype')).removeprefix('torch.')}, greedy decoding depends on the kernels: "
+                        "verifying k+1 tokens in one forward rounds differently from one token at a time, and a "
+                        "near-tie can then flip" + (f" (vLLM's plain greedy and the embedded decoder agree on {other}/"
+                                                 f"{emb.get('prompts')} prompts here)" if other is not None else "")
+                        + ". The decoder is exact in float32 (tests/test_evaluate.py).", ""]
         figs = sorted(rd.path("figures").glob("06_*.png"))
         out += [f"![{f.stem}](figures/{f.name})" for f in figs]
         out.append("")

@@ -198,6 +198,24 @@ def test_embedded_decoder_is_lossless_on_the_tiny_target(tiny_target, untrained_
     assert got.output_ids == ref_eos and got.output_ids[-1] == eos
 
 
+def test_embedded_decoder_in_two_processes_gives_the_same_results(tiny_target, tiny_llama_dir, trained_draft_dir,
+                                                                   train_prompts):
+    """On a GPU the embedded decoder spreads prompts over processes (batch 1 is launch-bound there); the results,
+    in prompt order, must be those of one process. Run here with 2 CPU processes, real spawn and real loading."""
+    from eagle3lib.evaluate import run_embedded
+    from eagle3lib.speculative import load_draft
+
+    prompts = [*train_prompts[:2].tolist(), torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(3))
+               .tolist()]
+    one = run_embedded(tiny_target, load_draft(trained_draft_dir), prompts, 3, 16, [], progress=False)
+    two = run_embedded(None, None, prompts, 3, 16, [], progress=False, workers=2,
+                       load=(tiny_llama_dir, trained_draft_dir, "cpu", "float32"))
+    assert two["workers"] == 2 and two["per_prompt"] == one["per_prompt"]
+    for key in ("acceptance", "identical", "target_forwards", "generated_tokens"):
+        assert two[key] == one[key], key
+    assert one["acceptance"]["accepted"] > 0  # the trained draft gets tokens accepted: the comparison means something
+
+
 def test_offline_simulation_agrees_with_the_embedded_decoder(tiny_target, trained_draft_dir, train_prompts):
     """Same prompts, same tokens: the offline replay of the decoder's path gives the decoder's counts (up to float
     ties, TOLERANCE_PATH), and offline over every start position the same tau within TOLERANCE_ALL."""
