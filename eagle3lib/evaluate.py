@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from eagle3lib import atomic
+from eagle3lib import atomic, plots
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import StageRun
 from eagle3lib.speculative import Acceptance
@@ -361,7 +361,7 @@ def _label_and_save(fig: Any, ax: Any, path: Path, title: str, xlabel: str | Non
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plots.save(fig, path)
     return fig
 
 
@@ -378,9 +378,7 @@ def _bars_by_method(ax: Any, results: dict[str, Any], values: Any, first_x: int,
 
 
 def plot_per_position(results: dict[str, Any], path: Path):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plots.figure(figsize=(6, 3.5))
     _bars_by_method(ax, results, lambda a: a["per_pos_rate"], first_x=1,
                     label=lambda name, a: f"{name} (tau {a['tau']:.2f})")
     ax.set_ylim(0, 1)
@@ -389,18 +387,14 @@ def plot_per_position(results: dict[str, Any], path: Path):
 
 
 def plot_length_histogram(results: dict[str, Any], path: Path):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plots.figure(figsize=(6, 3.5))
     _bars_by_method(ax, results, lambda a: [h / max(sum(a["length_histogram"]), 1) for h in a["length_histogram"]],
                     first_x=0, label=lambda name, a: name)
     return _label_and_save(fig, ax, path, "accepted lengths", "accepted draft tokens in a step", "share of steps")
 
 
 def plot_tau_vs_k(results: dict[str, Any], path: Path):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plots.figure(figsize=(6, 3.5))
     for name, sweep in results["sweep"].items():
         ks = sorted(int(k) for k in sweep)
         ax.plot(ks, [sweep[str(k)]["tau"] if str(k) in sweep else sweep[k]["tau"] for k in ks], marker="o",
@@ -413,9 +407,7 @@ def plot_tau_vs_k(results: dict[str, Any], path: Path):
 
 
 def plot_speedup(results: dict[str, Any], path: Path):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plots.figure(figsize=(6, 3.5))
     names, base, spec = [], [], []
     for name in ("embedded", "vllm"):
         r = results.get(name)
@@ -579,7 +571,6 @@ def figures(stage: StageRun, results: dict[str, Any]) -> dict[str, Any]:
     for name, fn in (("per_position", plot_per_position), ("accepted_lengths", plot_length_histogram),
                      ("tau_vs_k", plot_tau_vs_k), ("speedup", plot_speedup)):
         path = stage.rd.figure_path("06", name)
-        path.parent.mkdir(parents=True, exist_ok=True)
         out[name] = (path, fn(results, path))
     return out
 

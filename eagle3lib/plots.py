@@ -30,13 +30,20 @@ def figure(*args: Any, **kwargs: Any):
     return plt.subplots(*args, **kwargs)
 
 
-def save_show(fig, path: str | Path) -> Path:
-    """Write `fig` to `path` (PNG, dpi 110, tight) atomically, then show it inline (notebook) or close it."""
-    import matplotlib.pyplot as plt
-
+def save(fig, path: str | Path) -> Path:
+    """Write `fig` to `path` (PNG, dpi 110, tight) atomically: a killed run never leaves half a PNG."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+    return path
+
+
+def save_show(fig, path: str | Path) -> Path:
+    """`save`, then show the figure inline (notebook) or close it."""
+    import matplotlib.pyplot as plt
+
+    path = save(fig, path)
     if in_notebook():
         plt.show()
     plt.close(fig)

@@ -54,7 +54,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import atomic
+from eagle3lib import atomic, plots
 from eagle3lib.errors import WorkbookError
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -540,7 +540,7 @@ def plot_coverage(dv: DraftVocab, path: Path, close: bool = True):
     import matplotlib.pyplot as plt
 
     cov, cov_val = dv.coverage_at_k()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plots.figure(figsize=(7, 4))
     ax.plot(dv.ks, dv.coverage_train, label="train tokens (token_freq.pt)")
     if dv.coverage_val is not None:
         ax.plot(dv.ks, dv.coverage_val, label="held-out rows", linestyle="--")
@@ -554,9 +554,7 @@ def plot_coverage(dv: DraftVocab, path: Path, close: bool = True):
     ax.set_title(f"Draft vocabulary coverage (target vocab {dv.vocab_size}, {dv.distinct_train_tokens} seen)")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic.atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plots.save(fig, path)
     if close:
         plt.close(fig)
     return fig
