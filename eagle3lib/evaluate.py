@@ -96,6 +96,23 @@ def load_tokenizer(model_dir: Path, tokenizer: str | None = None) -> Any | None:
     return tok if getattr(tok, "chat_template", None) else None
 
 
+def held_out_categories(inp: EvalInputs, limit: int | None) -> list[str] | None:
+    """The category of each held-out prompt (the bundled set has 8), in prompt order; None where there are none."""
+    if not inp.eval_prompts.is_file():
+        return None
+    cats = [json.loads(line).get("category") for line in inp.eval_prompts.read_text().splitlines() if line.strip()]
+    cats = cats[:limit] if limit else cats
+    return [str(c) for c in cats] if cats and all(cats) else None
+
+
+def by_category(categories: list[str], acceptances: list[dict[str, Any]], k: int) -> dict[str, dict[str, Any]]:
+    """Per-prompt acceptances merged by category: where a draft falls short (a data mix to fix, a language)."""
+    out: dict[str, Acceptance] = {}
+    for cat, a in zip(categories, acceptances, strict=True):
+        out.setdefault(cat, Acceptance(k)).merge(Acceptance.from_dict(a))
+    return {cat: {**a.to_dict(), "prompts": categories.count(cat)} for cat, a in sorted(out.items())}
+
+
 def held_out_prompt_ids(inp: EvalInputs, tok: Any | None, limit: int | None) -> tuple[list[list[int]], str]:
     """Token ids of the held-out prompts, rendered with the chat template and its generation prompt.
 
@@ -214,7 +231,8 @@ def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_
         acc.merge(Acceptance.from_dict(r["acceptance"]))
         identical += int(r["output_ids"] == r["ref"])
         per_prompt[i] = {"prompt_len": r["prompt_len"], "output_ids": r["output_ids"],
-                         "verified_ids": r["verified_ids"], "identical": r["output_ids"] == r["ref"]}
+                         "verified_ids": r["verified_ids"], "identical": r["output_ids"] == r["ref"],
+                         "acceptance": r["acceptance"]}
         bar.update(1)
         bar.set_postfix(tau=f"{acc.tau:.2f}", spec_tok_s=f"{spec_tok / max(spec_s, 1e-9):.0f}",
                         base_tok_s=f"{base_tok / max(base_s, 1e-9):.0f}")
@@ -517,11 +535,15 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
                                workers=workers, load=(inp.model_dir, inp.checkpoint, device, dtype_name))
             return {**{key: v for key, v in emb.items() if key != "per_prompt"},
                     "outputs": [r["output_ids"] for r in emb["per_prompt"]],
-                    "verified": [r["verified_ids"] for r in emb["per_prompt"]]}
+                    "verified": [r["verified_ids"] for r in emb["per_prompt"]],
+                    "acceptances": [r["acceptance"] for r in emb["per_prompt"]]}
 
         emb = done.run("embedded", embedded, results)
-        results["embedded"] = {key: v for key, v in emb.items() if key not in ("outputs", "verified")}
+        results["embedded"] = {key: v for key, v in emb.items() if key not in ("outputs", "verified", "acceptances")}
         results["by_method"]["embedded"] = emb["acceptance"]
+        categories = held_out_categories(inp, cfg.num_prompts) if tok is not None else None
+        if categories and len(categories) == len(emb.get("acceptances") or []):
+            results["embedded_by_category"] = by_category(categories, emb["acceptances"], k)
         continuations = emb["verified"]
         results["embedded_outputs"] = emb["outputs"]
     if "offline" in cfg.methods:

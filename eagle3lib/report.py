@@ -139,6 +139,12 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
             rows.append([name, a["tau"], a.get("tokens_per_step"), a["draft_acceptance_rate"],
                          " / ".join(f"{r:.2f}" for r in a["per_pos_rate"]), a["drafts"]])
         out += [_table(["method", "τ", "tokens per step", "draft acceptance", "per position", "drafts"], rows), ""]
+        cats = results.get("embedded_by_category")
+        if cats:
+            out += ["τ by category of the held-out prompts (embedded decoder):", "",
+                    _table(["category", "prompts", "τ", "per position"],
+                           [[c, a["prompts"], a["tau"], " / ".join(f"{r:.2f}" for r in a["per_pos_rate"])]
+                            for c, a in cats.items()]), ""]
         sweep = results.get("sweep", {})
         if sweep:
             ks = sorted({int(k) for s in sweep.values() for k in s})

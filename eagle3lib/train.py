@@ -540,8 +540,9 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
     Works in one process and under `torchrun` (speculators' DDP: `maybe_setup_distributed` reads LOCAL_RANK);
     only rank 0 writes curves, figures and the result.
     """
+    from speculators.train import distributed
     from speculators.train.cli import set_seed
-    from speculators.train.distributed import is_distributed, maybe_setup_distributed
+    from speculators.train.distributed import is_distributed
     from speculators.train.trainer import Trainer, TrainerConfig
     from tqdm.auto import tqdm
 
@@ -552,7 +553,7 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
         warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     patched = _ensure_cpu_patch(res.device)
     set_seed(cfg.run.seed)
-    maybe_setup_distributed()
+    distributed.maybe_setup_distributed()  # looked up after the CPU patch, which sets it up on gloo
     inp = inputs_from_run(rd)
     check_shards(inp, rd.read_manifest("02")["metrics"].get("dtype", "bfloat16"))
     save_path = checkpoints_dir(rd)

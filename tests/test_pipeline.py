@@ -79,6 +79,10 @@ def test_training_and_evaluation_results(pipeline_run):
                                                               rel=0.05)
     ng = by["vllm n-gram (no draft)"]
     assert 1.0 <= ng["tokens_per_step"] <= ng["tau"]  # tau counts only the steps where the lookup drafted
+    # tau by category of the held-out prompts: the per-prompt counts regrouped, nothing lost
+    cats = results["embedded_by_category"]
+    assert sum(c["prompts"] for c in cats.values()) == 2 and "τ by category" in report
+    assert sum(c["accepted"] for c in cats.values()) == by["embedded"]["accepted"]
     # `eagle3 compare`: one row per run plus the n-gram row, the numbers as recorded
     from eagle3lib.cli import main
     from eagle3lib.report import compare_runs

@@ -46,7 +46,10 @@ def test_cpu_patch_detect_apply_idempotent_revert():
     patch = PATCHES[NAME]
     assert patch.detect() is True  # this machine has no accelerator: the Trainer would pick "cuda"
     revert_patch(NAME)
-    originals = (trainer.get_local_rank, torch.accelerator.synchronize, ckpt.get_current_device)
+    import speculators.train.distributed as distributed
+
+    originals = (trainer.get_local_rank, torch.accelerator.synchronize, ckpt.get_current_device,
+                 distributed.maybe_setup_distributed)
     # (whether the original torch.accelerator.synchronize raises here depends on what else this process imported:
     # after vLLM's CPU platform loads it may not, so only the replacement and its revert are asserted)
     assert apply_patch(NAME) and apply_patch(NAME)  # idempotent
@@ -57,7 +60,8 @@ def test_cpu_patch_detect_apply_idempotent_revert():
     t.device_type = "cuda"  # what Trainer.__init__ assigns without an accelerator
     assert t.device_type == "cpu"
     revert_patch(NAME)
-    assert (trainer.get_local_rank, torch.accelerator.synchronize, ckpt.get_current_device) == originals
+    assert (trainer.get_local_rank, torch.accelerator.synchronize, ckpt.get_current_device,
+            distributed.maybe_setup_distributed) == originals
     assert "device_type" not in trainer.Trainer.__dict__
     revert_patch(NAME)  # reverting twice is harmless
 
@@ -158,3 +162,38 @@ def test_torchrun_accepts_the_multi_gpu_command():
     assert "--run-name" in proc.stdout and "usage: torchrun" not in proc.stderr
     bad = [str(torchrun), *[("--run" if a == "--run-name" else a) for a in cmd[1:]]]  # the test can fail
     assert "ambiguous option: --run" in subprocess.run(bad, capture_output=True, text=True, timeout=120).stderr
+
+
+def test_stage_05_under_torchrun_with_two_processes(tiny_run, tmp_path):
+    """The multi-GPU command, as notebook 05 and the README give it, with 2 CPU processes (gloo): speculators' DDP
+    path end to end. Each rank takes half of the packed batches, rank 0 writes the checkpoint, curves and manifest."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from eagle3lib import verifier
+
+    cfg, rd = tiny_run
+    stage04 = StageRun(get_stage("04"), cfg, rd)
+    out = verifier.run(stage04, check_speculators=False)
+    stage04.finish(outputs=out["outputs"], metrics=out["metrics"])
+    config = tmp_path / "tiny.yaml"
+    config.write_text(with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 1, "packing_length": 96}).to_yaml())
+    cmd = train.launch_command(str(config), None, [], 2)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), *cmd[1:]], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(rd.path("draft", "result.json").read_text())
+    curves = json.loads(rd.path("draft", "curves.json").read_text())
+    # one process on a copy of the run: each of the 2 ranks took half of its batches
+    from eagle3lib.config import load_config
+    from eagle3lib.rundir import fork_run
+
+    single_cfg = load_config(config, [f"run.name={rd.root.name}-single"])
+    single = train.train(RunDir(fork_run(rd.root, rd.root.parent / f"{rd.root.name}-single"), single_cfg),
+                         progress=False)
+    assert single["global_step"] >= 4 and result["global_step"] == len(curves["steps"]) == single["global_step"] // 2
+    assert [v["epoch"] for v in curves["val"]] == [-1, 0]
+    assert rd.manifest_path(get_stage("05")).is_file()
+    assert train.load_draft(result["checkpoint"]).fc.weight.shape[1] == 3 * 64

@@ -10,6 +10,9 @@ Why: speculators' Trainer assumes a GPU in four places, and on a CPU-only instal
      Patched: a no-op while no accelerator exists.
   4. Resume: `SingleGPUCheckpointer.load_*` map tensors to `get_current_device()`, which answers "cuda:0" without an
      accelerator. Patched: "cpu".
+  5. Under torchrun, `maybe_setup_distributed` raises "No accelerator found" (it picks the backend from the
+     accelerator). Patched: the same topology on the gloo backend, so speculators' DDP path runs on CPU processes
+     (what the multi-GPU command is tested with in CI).
 
 Detected by behaviour: needed exactly when torch reports no current accelerator (then (2) would pick "cuda" and (3)
 would raise) and speculators is installed. Apply is idempotent; revert restores every original object.
@@ -57,6 +60,24 @@ def _sync_noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _setup_distributed_gloo(sp_size: int = 1) -> None:
+    """speculators' maybe_setup_distributed with the gloo backend: the same module state and process groups."""
+    import os
+
+    import speculators.train.distributed as d
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" not in os.environ:
+        return _ORIGINALS["distributed.maybe_setup_distributed"](sp_size)
+    d._local_rank = int(os.environ["LOCAL_RANK"])  # noqa: SLF001 - speculators' own module state, set as it does
+    d._is_distributed = True  # noqa: SLF001
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    d._rank, d._world_size = dist.get_rank(), dist.get_world_size()  # noqa: SLF001
+    d._init_sp_process_groups(d._rank, d._world_size, sp_size)  # noqa: SLF001
+    return None
+
+
 def is_applied() -> bool:
     return bool(_ORIGINALS)
 
@@ -66,9 +87,12 @@ def apply() -> None:
     if _ORIGINALS:
         return
     import speculators.train.checkpointer as ckpt
+    import speculators.train.distributed as distributed
     import speculators.train.trainer as trainer
     import torch
 
+    _ORIGINALS["distributed.maybe_setup_distributed"] = distributed.maybe_setup_distributed
+    distributed.maybe_setup_distributed = _setup_distributed_gloo
     _ORIGINALS["trainer.get_local_rank"] = trainer.get_local_rank
     _ORIGINALS["torch.accelerator.synchronize"] = torch.accelerator.synchronize
     _ORIGINALS["checkpointer.get_current_device"] = ckpt.get_current_device
@@ -84,9 +108,11 @@ def revert() -> None:
     if not _ORIGINALS:
         return
     import speculators.train.checkpointer as ckpt
+    import speculators.train.distributed as distributed
     import speculators.train.trainer as trainer
     import torch
 
+    distributed.maybe_setup_distributed = _ORIGINALS.pop("distributed.maybe_setup_distributed")
     trainer.get_local_rank = _ORIGINALS.pop("trainer.get_local_rank")
     torch.accelerator.synchronize = _ORIGINALS.pop("torch.accelerator.synchronize")
     ckpt.get_current_device = _ORIGINALS.pop("checkpointer.get_current_device")
@@ -107,8 +133,8 @@ _MISSING = _Missing()
 
 PATCH = register(Patch(
     name=NAME,
-    why="speculators' Trainer assumes an accelerator: device moves, autocast('cuda'), synchronize and resume "
-        "all fail or silently misbehave on a CPU-only machine.",
+    why="speculators' Trainer assumes an accelerator: device moves, autocast('cuda'), synchronize, resume and "
+        "torchrun's process group all fail or silently misbehave on a CPU-only machine.",
     repairs="speculators.train.Trainer runs on CPU",
     detect=detect,
     apply=apply,
