@@ -2,7 +2,7 @@
 
 Why: a few hundred bundled prompts do not teach a draft the target's distribution; no dataset can be downloaded.
 The target itself writes the requests, seeded by a topic list (eagle3lib/assets/topics.json: ~280 topics in 23
-areas, 24 task types, 16 personas), so the training set is as large and varied as the budget allows.
+areas, 26 task types, 16 personas), so the training set is as large and varied as the budget allows.
 
 How: the target does not follow a meta-instruction ("write a request about X") well at 135M parameters (measured:
 most replies were answers, greetings or stories). What it does well is what it was trained on — continue a chat. So
