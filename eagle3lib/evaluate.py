@@ -326,6 +326,11 @@ def with_tokens_per_step(acceptance: dict[str, Any], outputs: list[list[int]]) -
     return {**acceptance, "tokens_per_step": round(generated / max(1, generated - acceptance["accepted"]), 4)}
 
 
+def count_identical(outputs: list[list[int]], others: list[list[int]]) -> int:
+    """How many prompts got the same tokens from two runs over the same prompts."""
+    return sum(int(a == b) for a, b in zip(outputs, others, strict=True))
+
+
 def vllm_job(inp: EvalInputs, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> dict[str, Any]:
     """What every vLLM run of the evaluation shares: target, prompts, length, dtype."""
     longest = max(len(p) for p in prompts) + max_new_tokens + 8
@@ -357,7 +362,7 @@ def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: 
     for kk in sorted(set([k] + list(sweep or []))):
         runs[kk] = run_in_subprocess({**base_job, "draft": str(inp.checkpoint), "k": kk}, workdir, f"eagle3_k{kk}")
     main = runs[k]
-    identical = sum(int(a == b) for a, b in zip(main["outputs"], base["outputs"], strict=True))
+    identical = count_identical(main["outputs"], base["outputs"])
     return {
         "acceptance": with_tokens_per_step(Acceptance.from_dict(main["acceptance"]).to_dict(), main["outputs"]),
         "sweep": {kk: Acceptance.from_dict(r["acceptance"]).to_dict() for kk, r in runs.items()},
@@ -571,16 +576,15 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
         if cfg.vllm_sweep:
             results["sweep"]["vllm"] = {str(kk): a for kk, a in live["sweep"].items()}
         if "embedded_outputs" in results:
-            results["vllm"]["identical_to_embedded"] = sum(
-                int(a == b) for a, b in zip(live["baseline_outputs"], results["embedded_outputs"], strict=True))
+            results["vllm"]["identical_to_embedded"] = count_identical(live["baseline_outputs"],
+                                                                       results["embedded_outputs"])
     if "ngram" in cfg.methods:
         ng = done.run("ngram", lambda: run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
                                                  dtype_name), results)
         results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}
         results["by_method"][NGRAM] = ng["acceptance"]
         if "embedded_outputs" in results:
-            results["ngram"]["identical_to_embedded"] = sum(
-                int(a == b) for a, b in zip(ng["outputs"], results["embedded_outputs"], strict=True))
+            results["ngram"]["identical_to_embedded"] = count_identical(ng["outputs"], results["embedded_outputs"])
     results["seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     atomic.write_json(stage.rd.path("eval", "results.json"), results)
     done.clear()

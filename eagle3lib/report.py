@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import atomic
-from eagle3lib.rundir import RunDir
+from eagle3lib.rundir import RunDir, manifest_file
 from eagle3lib.stages import ALL_STAGES
 
 
@@ -24,7 +24,7 @@ def read_manifests(rd: RunDir | Path) -> dict[str, dict[str, Any]]:
     root = rd.root if isinstance(rd, RunDir) else Path(rd)
     out: dict[str, dict[str, Any]] = {}
     for stage in ALL_STAGES:
-        path = root / "manifests" / f"{stage.key}.json"
+        path = manifest_file(root, stage)
         if path.is_file():
             try:
                 out[stage.id] = json.loads(path.read_text())

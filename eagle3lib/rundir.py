@@ -57,16 +57,20 @@ def run_root(cfg: WorkbookConfig) -> Path:
     return root / cfg.run.name
 
 
+def manifest_file(root: Path, stage: Stage) -> Path:
+    """Where stage `stage`'s manifest lives in run folder `root` (also read without a config, e.g. by the report)."""
+    return Path(root) / "manifests" / f"{stage.key}.json"
+
+
 def fork_run(src: Path, dst: Path) -> Path:
     """A copy of run folder `src` at `dst` that shares stages 00-04's files through hard links (no bytes copied) and
     has no draft, no stage 05/06 outputs and no report: the way to train another draft on the same hidden states.
     An existing `dst` is replaced. Valid because where a run lives is not part of its lineage (config.LOCATION_FIELDS)."""
-    import os
     import shutil
 
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst, copy_function=os.link,
-                    ignore=shutil.ignore_patterns("draft", "05_*", "06_*", "report.md"))
+                    ignore=shutil.ignore_patterns("draft", "eval", "05_*", "06_*", "report.md"))
     return Path(dst)
 
 
@@ -99,7 +103,7 @@ class RunDir:
         return self.path("figures", f"{stage_id}_{what}.png")
 
     def manifest_path(self, stage: Stage) -> Path:
-        return self.path("manifests", f"{stage.key}.json")
+        return manifest_file(self.root, stage)
 
     def write_manifest(self, stage: Stage, *, started: float, outputs: dict[str, Any], metrics: dict[str, Any]) -> Path:
         sections = lineage_sections(stage)

@@ -38,15 +38,16 @@ def test_a_forked_run_shares_stages_00_04_by_hard_links_and_leaves_the_draft_beh
 
     src = tmp_path / "a"
     for rel in ("dataset/hidden_states/hs_0.safetensors", "manifests/02_extract_hidden_states.json",
-                "manifests/05_train_draft.json", "figures/06_tau_vs_k.png", "draft/curves.json", "report.md"):
+                "manifests/05_train_draft.json", "figures/06_tau_vs_k.png", "draft/curves.json", "report.md",
+                "eval/partial.json", "data/eval.jsonl"):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text(rel)
     dst = fork_run(src, tmp_path / "b")
     shard = "dataset/hidden_states/hs_0.safetensors"
     assert (dst / shard).stat().st_ino == (src / shard).stat().st_ino  # a link, not a copy
-    assert (dst / "manifests/02_extract_hidden_states.json").is_file()
+    assert (dst / "manifests/02_extract_hidden_states.json").is_file() and (dst / "data/eval.jsonl").is_file()
     assert not any((dst / rel).exists() for rel in ("manifests/05_train_draft.json", "figures/06_tau_vs_k.png",
-                                                     "draft", "report.md"))
+                                                     "draft", "report.md", "eval"))
 
 
 def test_overrides_are_typed_and_dotted():
