@@ -77,6 +77,10 @@ class DataSource(Section):
                                 "cut off at the limit is dropped).")
     followup_prob: float = Field(0.0, ge=0.0, le=1.0, description="self_instruct: share of the generated "
                                  "conversations that get a second user turn, written by the target after its reply.")
+    replies: int = Field(1, ge=1, description="Self-distillation: replies per prompt of this source. The first is "
+                         "answered like any other conversation, the others are sampled at the highest of "
+                         "data.gen_temperatures: more of the target's text on the prompts that look like the "
+                         "held-out ones (the bundled prompts are the only such prompts).")
 
 
 class DataSection(Section):
@@ -239,6 +243,10 @@ class WorkbookConfig(Section):
             self.extract.tensor_parallel_size > 1 or self.extract.pipeline_parallel_size > 1
         ):
             raise ValueError("tensor/pipeline parallel sizes > 1 need extract.backend: vllm")
+        if any(src.replies > 1 for src in self.data.sources) and not (
+                self.data.self_distill and max(self.data.gen_temperatures or [self.data.gen_temperature]) > 0):
+            raise ValueError("data.sources[].replies > 1 samples more replies: it needs data.self_distill: true and a "
+                             "temperature above 0 in data.gen_temperatures (e.g. [0.0, 0.0, 0.7])")
         return self
 
     def section_hash(self, sections: list[str] | tuple[str, ...]) -> str:

@@ -162,7 +162,7 @@ def load_records(cfg: WorkbookConfig) -> list[dict[str, Any]]:
             key = prompt_key(rec["messages"])
             if key not in seen:
                 seen.add(key)
-                out.append(rec)
+                out.append({**rec, "replies": src.replies} if src.replies > 1 else rec)
     return out
 
 
@@ -264,13 +264,15 @@ def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) 
 
 # --------------------------------------------------------------------------------------------- self-distillation
 def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dict[str, str]]], cache_path: Path,
-                 progress: bool = True, generator: Generator | None = None,
+                 progress: bool = True, generator: Generator | None = None, variants: list[int] | None = None,
                  ) -> tuple[list[list[dict[str, str]]], dict[str, Any]]:
     """Regenerate every assistant turn with the target, turn by turn (a reply sees the replies generated before it).
 
     The generator (`data.generator`: transformers | vllm, eagle3lib.generators) only continues rendered texts; the
     turn logic, the cache and the stats live here and in `generate_cached`, shared by both. Conversation i is
-    answered at `gen_temperatures[i % len]` (or `gen_temperature`), part of its cache key.
+    answered at `gen_temperatures[i % len]` (or `gen_temperature`), part of its cache key. `variants[i]` > 0 marks an
+    extra reply to a prompt that is already in `convs` (`data.sources[].replies`): sampled at the highest
+    temperature, the variant in its cache key.
     """
     import time
 
@@ -299,9 +301,11 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
                     pos[ci] += 1
                     done[ci].append(m)
                     if m["role"] == "user":
-                        temp = temps[ci % len(temps)]
+                        variant = variants[ci] if variants else 0
+                        temp = max(temps) if variant else temps[ci % len(temps)]
                         settings = {"model": str(model_dir), "max_new_tokens": d.gen_max_new_tokens,
-                                    "temperature": temp, "seed": cfg.run.seed, "dtype": cfg.target.dtype}
+                                    "temperature": temp, "seed": cfg.run.seed, "dtype": cfg.target.dtype,
+                                    **({"variant": variant} if variant else {})}
                         key = cache_key(done[ci], settings)
                         text = "" if key in cache else _render(tok, done[ci], add_generation_prompt=True)
                         pending.append((ci, key, text, temp))
@@ -385,13 +389,17 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
         pool = pool[: d.num_samples]
     if not pool:
         raise WorkbookError("no training conversations left after the eval split", "add data or lower data.eval_samples")
+    # data.sources[].replies: a prompt's extra replies sit right after it, so the trailing validation rows cut at most
+    # one prompt's group
+    pool = [dict(r, variant=v) if v else r for r in pool for v in range(r.get("replies", 1))]
     eval_prompts = [{"messages": eval_prompt(r["messages"]), "category": r.get("category")} for r in evals]
     atomic.write_text(data_dir / "eval.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in eval_prompts))
 
     convs = [r["messages"] for r in pool]
     if d.self_distill:
         cache = data_dir / "distill_cache.jsonl"
-        convs, stats["self_distill"] = self_distill(cfg, model_dir, tok, convs, cache, progress, gen)
+        variants = [r.get("variant", 0) for r in pool]
+        convs, stats["self_distill"] = self_distill(cfg, model_dir, tok, convs, cache, progress, gen, variants)
         # multi-turn: a seeded share of each self_instruct source's conversations gets a second user turn,
         # written by the target after its distilled reply; then distilled again (turn 1 comes from the cache)
         chosen = [ci for ci, r in enumerate(pool) if "synth_source" in r and random.Random(
@@ -404,7 +412,8 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
             convs, stats["followups"] = synth.add_followups(
                 cfg, gen, tok, convs, chosen, eval_texts, data_dir / "self_instruct_cache.jsonl", src.temperature,
                 src.max_new_tokens)
-            convs, stats["self_distill_turn2"] = self_distill(cfg, model_dir, tok, convs, cache, progress, gen)
+            convs, stats["self_distill_turn2"] = self_distill(cfg, model_dir, tok, convs, cache, progress, gen,
+                                                              variants)
     else:
         missing = sum(not any(m["role"] == "assistant" for m in c) for c in convs)
         if missing:

@@ -186,7 +186,7 @@ def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Gen
                 seen.add(norm)
                 out.append({"messages": [{"role": "user", "content": req}], "category": "self_instruct",
                             "source": "self_instruct", "topic": meta[key][0], "task": meta[key][1],
-                            "synth_source": src_index})
+                            "synth_source": src_index, **({"replies": src.replies} if src.replies > 1 else {})})
             bar.set_postfix_str(f"{len(out)}/{src.limit} kept")
     finally:
         bar.close()

@@ -145,6 +145,29 @@ def test_prepare_self_distills_splits_and_resumes_from_its_cache(tmp_path, smoll
         assert "Paris" in replies["What is the capital of France?"]
 
 
+def test_replies_adds_sampled_replies_to_the_same_prompts(tmp_path, smollm2_dir):
+    qs = ["Name a color.", "Say hello in Spanish.", "What is 2 plus 2?", "Count to three.", "Name a fruit."]
+    src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in qs])
+    over = [f"data.sources=[{{kind: jsonl, path: {src}, replies: 3}}]", "data.eval_samples=1",
+            "data.gen_max_new_tokens=12", "data.val_fraction=0", "data.max_length=64"]
+    with pytest.raises(WorkbookError, match="replies > 1.*temperature above 0"):
+        load_config(None, over)  # greedy only: the extra replies would be copies
+    with pytest.raises(WorkbookError, match="temperature above 0"):
+        load_config(None, [*over, "data.gen_temperatures=[0.0]"])
+    cfg = load_config(None, [*over, "data.gen_temperatures=[0.0, 1.0]"])
+    p = data.prepare(cfg, smollm2_dir, tmp_path / "data", progress=False)
+    assert len(p) == 4 * 3 and p.stats["self_distill"]["generated"] == 12
+    firsts = [c[0]["content"] for c in p.conversations]
+    groups = [firsts[i:i + 3] for i in range(0, 12, 3)]
+    assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == 4  # a prompt's replies together
+    for i in range(0, 12, 3):
+        extra = [c[-1]["content"] for c in p.conversations[i + 1:i + 3]]
+        assert extra[0] != extra[1]  # sampled, with different keys
+    # a rerun takes them all from the cache
+    again = data.prepare(cfg, smollm2_dir, tmp_path / "data", progress=False)
+    assert again.stats["self_distill"]["cached"] == 12 and again.input_ids == p.input_ids
+
+
 def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -273,17 +296,22 @@ def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, sm
     hf = TransformersGenerator(cfg, smollm2_dir, smol_tok)
     ref = hf.generate(texts, 0.0, 24, [0] * len(texts))
     hf.close()
-    gen = VllmGenerator(cfg, smollm2_dir, smol_tok)
-    try:
-        got = gen.generate(texts, 0.0, 24, [0] * len(texts))
-        sampled = [gen.generate(texts[:3], 1.0, 16, [7, 8, 9]) for _ in range(2)]
-        assert gen.llm is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process on the CPU
-    finally:
-        gen.close()
-    assert gen.llm is None
+    runs = []
+    for _ in range(2):  # two fresh engines with the same run.seed
+        gen = VllmGenerator(cfg, smollm2_dir, smol_tok)
+        try:
+            got = gen.generate(texts, 0.0, 24, [0] * len(texts))
+            runs.append([gen.generate(texts[:3], 1.0, 16, [7, 8, 9]) for _ in range(2)])
+            assert gen.llm is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process on CPU
+        finally:
+            gen.close()
+        assert gen.llm is None
     same = sum(a.text == b.text for a, b in zip(ref, got, strict=True))
     prefix = [len(os.path.commonprefix([a.text, b.text])) for a, b in zip(ref, got, strict=True)]
     print(f"vLLM vs transformers greedy: {same}/{len(texts)} identical, common prefix chars {prefix}")
     assert same >= len(texts) - 1 and min(prefix) >= 20
     assert all(r.tokens > 0 for r in got) and [r.finished for r in got] == [r.finished for r in ref]
-    assert sampled[0] == sampled[1]  # sampling is seeded per request
+    # sampling is seeded by the engine (run.seed), not per request (vLLM's slow path): a rerun reproduces it, and
+    # the same prompts sampled again in one engine get new replies
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]

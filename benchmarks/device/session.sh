@@ -14,6 +14,8 @@
 #               missing), then extraction 1 vs 2 GPUs (issue 10)
 #   benchmarks  GPU 0: the training benchmark (issue 7) | GPU 1: vLLM native vs prefill, all rows in one generate
 #               call (issue 5)
+#   recipe_ab   GPU 0: the recipe | GPU 1: the two benchmarks one after the other, then the recipe's stages 02-04
+#               (forked once they exist) trained at lr 1e-3 and evaluated offline + embedded (the recipe's A/B)
 # Measured 2026-11-29 on x2: install ~55 s, recipe ~25 min (both GPUs), so a 30-minute budget fits `recipe` or
 # `scaling benchmarks`, not all three.
 set -uo pipefail
@@ -28,7 +30,7 @@ RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
 # the runs' small files: reports, manifests, curves, figures, eval results (no tensors, no checkpoints)
 pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
-  outputs/$RUN outputs/$RUN-eagle1 2>/dev/null; }
+  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-lr1e3 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -37,6 +39,12 @@ second_gpu() { [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 1 || echo 0; }
 run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
   CUDA_VISIBLE_DEVICES=$gpu timeout 1800 python3 -m eagle3lib.cli run --config "$CONFIG" "$@" > "$RES/$name.log" 2>&1
   echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
+
+bench_train() { CUDA_VISIBLE_DEVICES=$1 timeout 480 python3 benchmarks/train.py --out "$RES/train_h200.json" \
+  > "$RES/bench_train.log" 2>&1; }
+bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 480 python3 benchmarks/extract.py --backend vllm-all \
+  --modes vllm-prefill,vllm-native --multiprocess --request-tokens 524288 --timeout 220 \
+  --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1; }
 
 case "$phase" in
 copy)
@@ -86,11 +94,19 @@ plan)
       ;;
     benchmarks)
       step "training benchmark (GPU 0) | vLLM native vs prefill in one generate call (GPU $g1)"
-      CUDA_VISIBLE_DEVICES=0 timeout 480 python3 benchmarks/train.py --out "$RES/train_h200.json" \
-        > "$RES/bench_train.log" 2>&1 &
-      CUDA_VISIBLE_DEVICES=$g1 timeout 480 python3 benchmarks/extract.py --backend vllm-all \
-        --modes vllm-prefill,vllm-native --multiprocess --request-tokens 524288 --timeout 220 \
-        --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1 &
+      bench_train 0 &
+      bench_vllm "$g1" &
+      wait
+      ;;
+    recipe_ab)
+      step "recipe (GPU 0) | the benchmarks, then the recipe's data trained at lr 1e-3 (GPU $g1)"
+      run_on 0 recipe --run "$RUN" &
+      ( bench_train "$g1"; bench_vllm "$g1"
+        for _ in $(seq 120); do ls outputs/$RUN/manifests/04_*.json >/dev/null 2>&1 && break; sleep 10; done
+        step "fork $RUN -> $RUN-lr1e3 (stages 05-06, train.lr=0.001)"
+        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-lr1e3')"
+        run_on "$g1" lr1e3 --run "$RUN-lr1e3" --stages 05-06 -p train.lr=0.001 \
+          -p "evaluate.methods=[offline, embedded]" ) &
       wait
       ;;
     *) step "unknown step $s" ;;
