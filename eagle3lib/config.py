@@ -101,6 +101,9 @@ class DataSection(Section):
         "transformers", description="Who generates replies and self_instruct prompts: batched transformers generate "
         "or one offline vLLM engine (extract.* sizes; freed before extraction). vllm is ~10-50x faster on a GPU."
     )
+    gen_vllm_args: dict[str, Any] = Field(
+        default_factory=dict, description="data.generator: vllm only: extra vllm.LLM arguments over the workbook's "
+        "own, e.g. {max_num_seqs: 512} (benchmarks/generate.py measures such settings against each other).")
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0,
         description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",

@@ -152,6 +152,7 @@ class VllmGenerator:
             # prefix caching (shared system prompts, multi-turn histories) may run on a GPU
             kwargs["enforce_eager"] = on_cpu()
             kwargs["enable_prefix_caching"] = not on_cpu()
+            kwargs.update(self.cfg.data.gen_vllm_args)
             self.max_model_len = int(kwargs["max_model_len"])
             self.llm = start_engine(kwargs)
             self.start_s = round(time.perf_counter() - t0, 2)

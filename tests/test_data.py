@@ -288,7 +288,7 @@ def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, sm
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = load_config(None, [f"run.output_root={tmp_path}", "target.dtype=float32", "data.generator=vllm",
-                             "data.max_length=256"])
+                             "data.max_length=256", "data.gen_vllm_args={max_num_seqs: 5}"])
     questions = ["What is the capital of France?", "Give me three tips for better sleep.", "What is 12 times 11?",
                  "Write a haiku about the sea.", "Explain what a CPU does in one sentence.", "Name two planets."]
     texts = [smol_tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
@@ -303,6 +303,7 @@ def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, sm
             got = gen.generate(texts, 0.0, 24, [0] * len(texts))
             runs.append([gen.generate(texts[:3], 1.0, 16, [7, 8, 9]) for _ in range(2)])
             assert gen.llm is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process on CPU
+            assert gen.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 5  # data.gen_vllm_args
         finally:
             gen.close()
         assert gen.llm is None

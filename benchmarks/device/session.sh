@@ -7,30 +7,32 @@
 #   launch   start the plan (STEPS, below) in the background and return
 #   poll     wait up to WAIT s (default 540) for the plan, refreshing $OUT every minute so a call cut short keeps
 #            what it had: the results' JSON, the runs' small files (runs.tgz) and the logs (logs.tgz)
-# STEPS (for launch; default "recipe scaling benchmarks"), in order:
+# STEPS (for launch; default "recipe_ab"), in order:
 #   recipe      GPU 0: configs/smollm2-h200.yaml, stages 00-06 (issue 12) | GPU 1: the same data with the draft on
 #               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run's stages 02/04 (run first when
 #               missing), then extraction 1 vs 2 GPUs (issue 10)
 #   benchmarks  GPU 0: the training benchmark (issue 7) | GPU 1: vLLM native vs prefill, all rows in one generate
 #               call (issue 5)
-#   recipe_ab   GPU 0: the recipe | GPU 1: the two benchmarks one after the other, then the recipe's stages 02-04
-#               (forked once they exist) trained at lr 1e-3 and evaluated offline + embedded (the recipe's A/B)
-# Measured 2026-11-29 on x2: install ~55 s, recipe ~25 min (both GPUs), so a 30-minute budget fits `recipe` or
-# `scaling benchmarks`, not all three.
+#   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
+#               stages 02-04 (forked once they exist) trained with AB_PARAMS and evaluated offline + embedded (A/B)
+# Measured 2026-11-29 on x2: copy + install ~2 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0); `scaling`
+# after it was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `scaling benchmarks` (scaling first
+# runs the recipe's stages 00-04, ~11 min), not both.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
 RUN=${RUN:-smollm2-h200}
-STEPS=${STEPS:-recipe scaling benchmarks}
+STEPS=${STEPS:-recipe_ab}
+AB_PARAMS=${AB_PARAMS:--p train.lr=0.002}  # recipe_ab's second arm: stages 05-06 again on the recipe's states
 RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
 
 # the runs' small files: reports, manifests, curves, figures, eval results (no tensors, no checkpoints)
 pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
-  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-lr1e3 2>/dev/null; }
+  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -42,6 +44,9 @@ run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
 
 bench_train() { CUDA_VISIBLE_DEVICES=$1 timeout 480 python3 benchmarks/train.py --out "$RES/train_h200.json" \
   > "$RES/bench_train.log" 2>&1; }
+bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/generate.py --config "$CONFIG" \
+  --prompts 2048 --max-new-tokens 256 --variants '{}' '{"max_num_seqs": 512}' '{"async_scheduling": true}' \
+  --out "$RES/generate_h200.json" > "$RES/bench_generate.log" 2>&1; }
 bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 480 python3 benchmarks/extract.py --backend vllm-all \
   --modes vllm-prefill,vllm-native --multiprocess --request-tokens 524288 --timeout 220 \
   --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1; }
@@ -99,14 +104,14 @@ plan)
       wait
       ;;
     recipe_ab)
-      step "recipe (GPU 0) | the benchmarks, then the recipe's data trained at lr 1e-3 (GPU $g1)"
+      step "recipe (GPU 0) | generator settings, then the recipe's states trained with: $AB_PARAMS (GPU $g1)"
       run_on 0 recipe --run "$RUN" &
-      ( bench_train "$g1"; bench_vllm "$g1"
+      ( bench_generate "$g1"
         for _ in $(seq 120); do ls outputs/$RUN/manifests/04_*.json >/dev/null 2>&1 && break; sleep 10; done
-        step "fork $RUN -> $RUN-lr1e3 (stages 05-06, train.lr=0.001)"
-        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-lr1e3')"
-        run_on "$g1" lr1e3 --run "$RUN-lr1e3" --stages 05-06 -p train.lr=0.001 \
-          -p "evaluate.methods=[offline, embedded]" ) &
+        step "fork $RUN -> $RUN-b (stages 05-06 with $AB_PARAMS)"
+        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-b')"
+        # shellcheck disable=SC2086 - AB_PARAMS is a list of -p KEY=VALUE words
+        run_on "$g1" b --run "$RUN-b" --stages 05-06 $AB_PARAMS -p "evaluate.methods=[offline, embedded]" ) &
       wait
       ;;
     *) step "unknown step $s" ;;
