@@ -123,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     from eagle3lib.config import load_config as load
     from eagle3lib.rundir import fork_run, run_root
 
-    cfg = load(args.config, [f"run.name={args.run}"])
+    cfg = load(args.config, [f"run.name={args.run}", *args.param])
     src = run_root(cfg)
     if not (src / "manifests").is_dir():
         raise SystemExit(f"{src} has no manifests: run stages 02-04 first")
@@ -133,7 +133,7 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
         dst = fork_run(src, src.parent / name)
         cmd = ["torchrun", f"--nproc-per-node={k}", "-m", "eagle3lib.train", "--config", args.config, "--run-name", name,
                "-p", "train.epochs=1", "-p", f"train.max_steps={args.steps}", "-p", "train.val_every=1",
-               "--no-manifest"]
+               "--no-manifest", *[w for kv in args.param for w in ("-p", kv)]]
         log(" ".join(cmd))
         t = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=REPO)
@@ -169,6 +169,8 @@ def main() -> None:
     t.add_argument("--config", required=True)
     t.add_argument("--run", required=True, help="a run that has stages 02 and 04")
     t.add_argument("--steps", type=int, default=300)
+    t.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="the config overrides the run was made with (its stage 02/04 lineage must match)")
     for p in (e, t):
         p.add_argument("--gpus", type=int, default=max(2, torch.cuda.device_count()))
         p.add_argument("--out", required=True)

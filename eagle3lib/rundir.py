@@ -43,9 +43,11 @@ def package_versions() -> dict[str, str | None]:
 
 
 def git_sha() -> str | None:
+    """The commit the code came from, `-dirty` when tracked files differ from it: then the run did not run exactly
+    that commit (seen on a GPU machine whose copy of .git lagged the working tree it was given)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude", "*"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -209,7 +209,7 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
     metrics = m02["metrics"]
     train_rows, val_rows = int(metrics["train_rows"]), int(metrics["val_rows"])
     if val_rows < 1:
-        raise WorkbookError("stage 02 recorded no validation rows", "rerun stage 02 with data.eval_samples >= 1")
+        raise WorkbookError("stage 02 recorded no validation rows", "rerun stage 02 with data.val_fraction > 0")
     t2d = d2t = None
     if m04["outputs"].get("t2d") and m04["outputs"].get("d2t"):
         t2d = load_vocab_map(rd.output("04", "t2d"), "t2d").to(torch.bool)
@@ -365,6 +365,11 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
             ds.data = ds.data.with_format("torch")
         sampler = MultipackDistributedBatchSamplerV2(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,
                                                      num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed)
+        if len(sampler) == 0:  # else a later, vaguer failure (or a rank waiting forever for the others)
+            raise WorkbookError(
+                f"the {split} split (rows: {len(ds)}) gives this process (rank {get_dp_rank()} of {get_dp_size()}) no "
+                f"batch of up to {tcfg.packing_length} tokens",
+                "raise data.val_fraction or add data (every process needs rows of its own), or train on fewer processes")
         workers = res.num_workers
         loaders.append(loader_cls(
             ds, batch_sampler=sampler, num_workers=workers,

@@ -197,3 +197,33 @@ def test_stage_05_under_torchrun_with_two_processes(tiny_run, tmp_path):
     assert [v["epoch"] for v in curves["val"]] == [-1, 0]
     assert rd.manifest_path(get_stage("05")).is_file()
     assert train.load_draft(result["checkpoint"]).fc.weight.shape[1] == 3 * 64
+
+
+
+def test_a_process_without_validation_batches_is_one_clear_error(tmp_path, tiny_llama_dir):
+    """One validation row for 2 torchrun processes: the rank that gets no batch says so (split, rows, rank) instead
+    of failing later or leaving the other rank waiting; with no validation rows at all, stage 05 names the fix."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from eagle3lib import verifier
+    from tests.conftest import make_tiny_run
+
+    for n_val in (0, 1):
+        cfg, rd = make_tiny_run(tmp_path / f"outputs{n_val}", tiny_llama_dir, n_val=n_val)
+        stage04 = StageRun(get_stage("04"), cfg, rd)
+        out = verifier.run(stage04, check_speculators=False)
+        stage04.finish(outputs=out["outputs"], metrics=out["metrics"])
+    cfg = with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 1, "packing_length": 96})
+    with pytest.raises(WorkbookError, match="no validation rows.*data.val_fraction > 0"):
+        train.train(RunDir(tmp_path / "outputs0" / "tiny", cfg), progress=False)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(cfg.to_yaml())
+    cmd = train.launch_command(str(config), None, [], 2)
+    proc = subprocess.run([str(Path(sys.executable).with_name("torchrun")), *cmd[1:]], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "the val split (rows: 1) gives this process (rank 1 of 2) no batch" in proc.stderr, proc.stderr[-3000:]
+    assert not rd.path("draft", "result.json").exists()

@@ -10,15 +10,14 @@
 # STEPS (for launch; default "recipe_ab"), in order:
 #   recipe      GPU 0: configs/smollm2-h200.yaml, stages 00-06 (issue 12) | GPU 1: the same data with the draft on
 #               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12)
-#   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run's stages 02/04 (run first when
-#               missing), then extraction 1 vs 2 GPUs (issue 10)
+#   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run's stages 02/04 (when missing,
+#               on a smaller run of the same data kinds, made first), then extraction 1 vs 2 GPUs (issue 10)
 #   benchmarks  GPU 0: the training benchmark (issue 7) | GPU 1: vLLM native vs prefill, all rows in one generate
 #               call (issue 5)
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
 #               stages 02-04 (forked once they exist) trained with AB_PARAMS and evaluated offline + embedded (A/B)
 # Measured 2026-11-29 on x2: copy + install ~2 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0); `scaling`
-# after it was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `scaling benchmarks` (scaling first
-# runs the recipe's stages 00-04, ~11 min), not both.
+# after it was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `scaling benchmarks`, not both.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
@@ -89,10 +88,15 @@ plan)
       wait
       ;;
     scaling)
-      ls outputs/$RUN/manifests/04_*.json >/dev/null 2>&1 || { step "recipe stages 00-04 first"; run_on 0 recipe_00_04 --run "$RUN" --stages 00-04; }
+      srun=$RUN; sdata=()
+      if ! ls outputs/$RUN/manifests/04_*.json >/dev/null 2>&1; then
+        # no recipe run here: a smaller data set of the same kind (stage 02 in ~3 min instead of ~10)
+        srun=$RUN-scaling; sdata=(-p "data.sources=[{kind: bundled, replies: 8}, {kind: self_instruct, limit: 4000}]")
+        step "stages 00-04 for $srun"; run_on 0 scaling_data --run "$srun" --stages 00-04 "${sdata[@]}"
+      fi
       step "draft training, 1 vs 2 GPUs"
-      timeout 600 python3 benchmarks/scaling.py train --config "$CONFIG" --run "$RUN" --gpus 2 --steps 200 \
-        --out "$RES/scaling_train_h200x2.json" > "$RES/scaling_train.log" 2>&1
+      timeout 600 python3 benchmarks/scaling.py train --config "$CONFIG" --run "$srun" "${sdata[@]}" --gpus 2 \
+        --steps 200 --out "$RES/scaling_train_h200x2.json" > "$RES/scaling_train.log" 2>&1
       step "extraction, 1 vs 2 GPUs"
       timeout 400 python3 benchmarks/scaling.py extract --gpus 2 --rows 1024 --out "$RES/scaling_extract_h200x2.json" \
         > "$RES/scaling_extract.log" 2>&1
