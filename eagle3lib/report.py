@@ -19,6 +19,12 @@ from eagle3lib.rundir import RunDir, manifest_file
 from eagle3lib.stages import ALL_STAGES
 
 
+def per_position(acceptance: dict[str, Any]) -> str | None:
+    """Per-position acceptance rates as the report's tables write them ("0.61 / 0.39 / 0.27"); None without any."""
+    rates = acceptance.get("per_pos_rate")
+    return " / ".join(f"{r:.2f}" for r in rates) if rates else None
+
+
 def read_manifests(rd: RunDir | Path) -> dict[str, dict[str, Any]]:
     """Every manifest present, by stage id, read as-is (no config-hash check: the report shows what is there)."""
     root = rd.root if isinstance(rd, RunDir) else Path(rd)
@@ -137,13 +143,13 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         rows = []
         for name, a in results.get("by_method", {}).items():
             rows.append([name, a["tau"], a.get("tokens_per_step"), a["draft_acceptance_rate"],
-                         " / ".join(f"{r:.2f}" for r in a["per_pos_rate"]), a["drafts"]])
+                         per_position(a), a["drafts"]])
         out += [_table(["method", "τ", "tokens per step", "draft acceptance", "per position", "drafts"], rows), ""]
         cats = results.get("embedded_by_category")
         if cats:
             out += ["τ by category of the held-out prompts (embedded decoder):", "",
                     _table(["category", "prompts", "τ", "per position"],
-                           [[c, a["prompts"], a["tau"], " / ".join(f"{r:.2f}" for r in a["per_pos_rate"])]
+                           [[c, a["prompts"], a["tau"], per_position(a)]
                             for c, a in cats.items()]), ""]
         sweep = results.get("sweep", {})
         if sweep:
@@ -212,13 +218,13 @@ def compare_runs(roots: list[Path]) -> str:
         rows.append([root.name, (man.get("02", {}).get("metrics", {}).get("layer_ids") or [None])[:-1] or None,
                      m05.get("val_eal"), by.get("embedded", {}).get("tau"), by.get("vllm", {}).get("tau"),
                      live.get("tokens_per_step"),
-                     " / ".join(f"{r:.2f}" for r in live["per_pos_rate"]) if live.get("per_pos_rate") else None,
+                     per_position(live),
                      man.get("05", {}).get("seconds"),
                      round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None])
         if ngram is None and "vllm n-gram (no draft)" in by:
             ng = by["vllm n-gram (no draft)"]
             ngram = ["vLLM n-gram lookup (no draft)", None, None, None, ng["tau"], ng.get("tokens_per_step"),
-                     " / ".join(f"{r:.2f}" for r in ng["per_pos_rate"]), None, None]
+                     per_position(ng), None, None]
     header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "tokens per step", "per position",
               "train s", "stages s"]
     note = ("τ = 1 + accepted / drafts (over the steps that drafted); tokens per step = generated / target forwards, "
