@@ -268,6 +268,7 @@ def vllm_one(args: argparse.Namespace) -> dict:
             cfg.extract.strategy = args.backend.removeprefix("vllm-")
             backend = make_vllm_backend(cfg, model_dir, layer_ids, load_format="dummy")
             result["engine_start_s"] = round(time.time() - t, 1)
+            result["connector"] = getattr(backend, "connector", None)  # native: which hidden-states connector wrote
             ddir = work / f"dataset-{cfg.extract.strategy}"
             shutil.rmtree(ddir, ignore_errors=True)
             try:

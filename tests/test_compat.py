@@ -205,14 +205,14 @@ def test_hidden_states_connector_patch(clean, tmp_path):
     patch = compat.PATCHES["cpu_hidden_states_connector"]
     assert patch.detect() is True
     ok, detail = conn.connector_write_probe(ExampleHiddenStatesConnector)
-    assert not ok and "pin_memory" in detail
+    assert not ok and "_submit_async_write fails here" in detail  # CUDA stream or pinned memory, by test order
     # the config route (what the vLLM backend uses): vLLM's own factory resolves the CPU class by module path
     kv = conn.hidden_states_kv_transfer_config(tmp_path)
     assert kv["kv_connector_module_path"] == "eagle3lib.compat.cpu_hidden_states_connector"
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
     cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**kv))
     assert cls.__name__ == "CPUHiddenStatesConnector" and issubclass(cls, ExampleHiddenStatesConnector)
-    assert conn.connector_write_probe(cls) == (True, "CPUHiddenStatesConnector wrote [6, 2, 8] correctly")
+    assert conn.connector_write_probe(cls) == (True, "CPUHiddenStatesConnector wrote [6, 4, 8] correctly")
     # the registry route (the patch)
     assert compat.apply_patch("cpu_hidden_states_connector")
     assert KVConnectorFactory._registry["ExampleHiddenStatesConnector"]() is cls

@@ -124,6 +124,7 @@ class VllmNativeBackend:
         kwargs = engine_kwargs(cfg, self.model_dir, self.adapter)
         kwargs["speculative_config"] = speculative_config(self.layer_ids)
         kwargs["kv_transfer_config"] = connector_config(self.out_dir)
+        self.connector = kwargs["kv_transfer_config"]["kv_connector"]  # upstream's (async) or the synchronous one
         kwargs.update(compat_engine_kwargs())
         kwargs.update(engine_overrides)
         self.llm = start_engine(kwargs)

@@ -24,6 +24,7 @@ import fcntl
 import functools
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +104,20 @@ def connector_write_probe(cls: type | None = None) -> tuple[bool, str]:
 
     import torch
     from safetensors.torch import load_file
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import PendingSave
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        PendingSave,
+        extract_from_kv_cache,
+    )
 
     if cls is None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         cls = KVConnectorFactory._registry[UPSTREAM]()
-    block_size, n_ids, hidden = 4, 2, 8
+    # n_ids == block_size: vLLM 0.26 lays the cache out [blocks, block_size, ids, H], 0.32 [blocks, ids, block_size,
+    # H]; with both sizes equal each version's own `extract_from_kv_cache` indexes in range. (A cache built for one
+    # layout made the probe fail on the other, and the H200 silently wrote every file synchronously: 0.33 x prefill.)
+    block_size = n_ids = 4
+    hidden = 8
     kv_cache = torch.randn(3, n_ids, block_size, hidden)
     conn = cls.__new__(cls)
     conn._is_tp_rank_zero, conn._kv_cache, conn._block_size = True, kv_cache, block_size
@@ -127,7 +135,8 @@ def connector_write_probe(cls: type | None = None) -> tuple[bool, str]:
             return False, f"{cls.__name__}._submit_async_write fails here: {type(e).__name__}: {str(e)[:160]}"
         finally:
             conn._executor.shutdown(wait=True)
-        expected = torch.cat([kv_cache[2].permute(1, 0, 2), kv_cache[0].permute(1, 0, 2)])[:6]
+        slots = (torch.arange(block_size)[None, :] + torch.tensor([2, 0])[:, None] * block_size).flatten()
+        expected = extract_from_kv_cache(kv_cache, slots, 6)
         data = load_file(path)
         if not torch.equal(data["hidden_states"], expected) or not torch.equal(data["token_ids"], token_ids):
             return False, f"{cls.__name__} wrote wrong slots"
@@ -144,12 +153,20 @@ def connector_write_probe(cls: type | None = None) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=1)
 def upstream_works() -> bool:
-    """Does vLLM's own ExampleHiddenStatesConnector write files on this machine? (probed once per process)"""
+    """Does vLLM's own ExampleHiddenStatesConnector write files on this machine? (probed once per process; on a GPU
+    a failure is a warning with the probe's reason: the synchronous fallback costs ~3x in extraction speed)"""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         ExampleHiddenStatesConnector,
     )
 
-    return connector_write_probe(ExampleHiddenStatesConnector)[0]
+    ok, detail = connector_write_probe(ExampleHiddenStatesConnector)
+    if not ok:
+        import torch
+
+        if torch.cuda.is_available():
+            warnings.warn(f"vLLM's hidden-states connector failed the write probe on a GPU machine ({detail}); "
+                          "extraction falls back to the synchronous CPUHiddenStatesConnector (slow)", stacklevel=2)
+    return ok
 
 
 def hidden_states_kv_transfer_config(storage_path: str | Path, **extra_config: Any) -> dict[str, Any]:
