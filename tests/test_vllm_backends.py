@@ -440,22 +440,25 @@ def test_worker_captures_a_tiny_llava_text_only(tmp_path):
 
 
 @needs_vllm
-def test_native_extract_renames_connector_files_into_valid_shards(smollm2_dir, tmp_path):
-    """Stage 02's capture loop on the native strategy: the connector's files become the dataset's shards (checked by
-    the shared validator, renamed), and neither a data file nor a lock is left in the spool folder."""
+@pytest.mark.parametrize("strategy", ["native", "worker"])
+def test_extract_renames_vllm_files_into_valid_shards(smollm2_dir, tmp_path, strategy):
+    """Stage 02's capture loop on vLLM: the connector's (native) or the capture worker's (worker) per-request files
+    become the dataset's shards (checked by the shared validator, renamed), and neither a data file nor a lock is
+    left in the spool folder."""
     from eagle3lib import capture, shards
     from eagle3lib.backends import make_backend
 
-    cfg = make_cfg(tmp_path, smollm2_dir, "native", SMOL_IDS)
-    rows = random_rows(49152, [9, 30, 17], seed=3)
+    cfg = make_cfg(tmp_path, smollm2_dir, strategy, SMOL_IDS)
+    rows = random_rows(49152, [9, 30, 17, 120], seed=3)  # 176 tokens > one step's 128: a prompt split over steps
     ids = [t for _, t in rows]
     backend = make_backend(cfg, smollm2_dir, SMOL_IDS)
+    spool = backend.out_dir if strategy == "native" else backend.spool
     try:
         ddir = tmp_path / "runs" / "dataset"
         capture.extract(cfg, ddir, smollm2_dir, SMOL_IDS, 576, ids, [[1] * len(t) for t in ids], progress=False,
                         backend=backend)
         assert backend.stats["adopted"] == len(rows), backend.stats
-        assert not [p for p in backend.out_dir.iterdir()], "files left in the connector's folder"
+        assert not [p for p in spool.iterdir()], f"files left in {spool}"
     finally:
         backend.close()
     spec = capture.shard_spec(cfg, SMOL_IDS, 576)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,8 +228,48 @@ def expect_replies(replies: Any, n_workers: int, what: str) -> list[dict[str, An
     return replies
 
 
+def file_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype of a states file's hidden_states, read from its header only."""
+    from safetensors import safe_open
+
+    from eagle3lib.shards import SAFETENSORS_DTYPES
+
+    with safe_open(str(path), framework="pt") as f:
+        if "hidden_states" not in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            return None
+        return SAFETENSORS_DTYPES.get(f.get_slice("hidden_states").get_dtype())
+
+
+def hand_on(row: int, token_ids: list[int], path: str | Path, dtype: torch.dtype, n_slots: int,
+            stats: dict[str, Any]) -> torch.Tensor | Path:
+    """A states file ({hidden_states [T, n_slots, H], token_ids}, the shard's own keys) as the capture loop takes it:
+    in the storage dtype, the Path itself (the shard writer checks it and renames it into the dataset: the states
+    reach the disk once); in another dtype (the CPU computes fp32), read, checked, converted, deleted."""
+    from safetensors.torch import load_file
+
+    if file_dtype(path) == dtype:
+        stats["adopted"] += 1
+        return Path(path)
+    data = load_file(str(path), device="cpu")
+    os.remove(path)
+    hs, tok = data.get("hidden_states"), data.get("token_ids")
+    if hs is None or tok is None:
+        raise WorkbookError(f"row {row}: {path} holds {sorted(data)}, expected hidden_states and token_ids",
+                            "this vLLM version changed the states file format")
+    t = len(token_ids)
+    if hs.dim() != 3 or list(hs.shape[:2]) != [t, n_slots]:
+        raise WorkbookError(f"row {row}: vLLM wrote hidden_states {list(hs.shape)}, expected [{t}, {n_slots}, H]",
+                            "this vLLM version changed the states layout")
+    if tok.tolist() != list(token_ids):
+        raise WorkbookError(f"row {row}: the states file holds different token ids than the row",
+                            "report this as a bug: files and requests are out of step")
+    stats["converted"] += 1
+    return hs.to(dtype)
+
+
 class VllmWorkerBackend:
-    """Strategy `worker`: the workbook's capture worker hooks the decoder layers of a plain vLLM engine."""
+    """Strategy `worker`: the workbook's capture worker hooks the decoder layers of a plain vLLM engine and writes one
+    shard-shaped file per request into a spool folder of the run (eagle3lib.backends.vllm_worker)."""
 
     def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], llm: Any = None,
                  **engine_overrides: Any):
@@ -239,6 +280,10 @@ class VllmWorkerBackend:
             check_cpu_support(self.adapter, self.hf_config)
         self.dtype = DTYPES[cfg.extract.dtype]
         self.n_workers = cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size
+        # on the dataset's filesystem: a file becomes a shard by a rename. Leftovers of a killed run are never read
+        self.spool = cache_root(cfg) / "vllm_worker_states"
+        shutil.rmtree(self.spool, ignore_errors=True)
+        self.stats: dict[str, Any] = {"generate_s": 0.0, "pop_s": 0.0, "adopted": 0, "converted": 0, "merged": 0}
         prepare_environment(cfg)
         self.llm = llm
         if self.llm is None:
@@ -251,60 +296,76 @@ class VllmWorkerBackend:
     def install(self, layer_ids: list[int]) -> list[dict[str, Any]]:
         fields = {"family": self.adapter.family.name, "wrapper": self.adapter.wrapper,
                   "model_type": self.adapter.model_type, "text_model_type": self.adapter.text_model_type}
-        replies = expect_replies(self.llm.collective_rpc("eagle3_install", args=(list(layer_ids), fields,
-                                                                                 self.cfg.extract.dtype)),
-                                 self.n_workers, "installing the capture hooks")
-        covered = sorted({k for r in replies for k in r["layers"]})
+        args = (list(layer_ids), fields, self.cfg.extract.dtype, str(self.spool), self.cfg.extract.writer_threads)
+        replies = expect_replies(self.llm.collective_rpc("eagle3_install", args=args), self.n_workers,
+                                 "installing the capture hooks")
+        covered = sorted({k for r in replies if r.get("writes") for k in r["layers"]})
         if covered != sorted(layer_ids):
             raise WorkbookError(f"capture hooks cover layer ids {covered}, expected {sorted(layer_ids)}",
                                 "a pipeline stage did not report its layers: check pipeline_parallel_size")
+        self.layer_ids = list(layer_ids)
         return replies
 
-    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor]]:
+    def capture(self, rows: list[tuple[int, list[int]]]) -> Iterator[tuple[int, torch.Tensor | Path]]:
+        """A request's file in the storage dtype is handed on as a Path (renamed into the dataset by the shard
+        writer); another dtype, or one file per pipeline stage, is read and converted or merged here."""
         for batch, (ids, replies), _ in pipelined(request_batches(rows, self.cfg.extract.vllm_request_tokens),
                                                   self._run):
             yield from self._assemble(batch, ids, replies)
 
     def _run(self, batch: list[tuple[int, list[int]]]) -> tuple[list[str], list[dict[str, Any]]]:
-        """One generate call and the collection of its captures (both on the engine thread)."""
+        """One generate call and the paths of its captures (both on the engine thread)."""
+        t0 = time.perf_counter()
         ids = [o.request_id for o in generate(self.llm, batch)]
+        t1 = time.perf_counter()
         replies = expect_replies(self.llm.collective_rpc("eagle3_pop", args=(ids,)), self.n_workers,
                                  "collecting captured states")
+        self.stats["generate_s"] += t1 - t0
+        self.stats["pop_s"] += time.perf_counter() - t1
         return ids, replies
 
     def _assemble(self, batch: list[tuple[int, list[int]]], ids: list[str],
-                  replies: list[dict[str, Any]]) -> Iterator[tuple[int, torch.Tensor]]:
-        from eagle3lib.backends.vllm_worker import decode
+                  replies: list[dict[str, Any]]) -> Iterator[tuple[int, torch.Tensor | Path]]:
+        from eagle3lib.backends.vllm_worker import file_layer_ids
 
-        per_req: dict[str, dict[int, torch.Tensor]] = {}
-        tokens: dict[str, torch.Tensor] = {}
+        files: dict[str, list[str]] = {}
         for reply in replies:
-            for internal, blob in reply.get("states", {}).items():
+            for internal, path in reply.get("files", {}).items():
                 external = next((e for e in ids if internal == e or internal.startswith(e + "-")), None)
                 if external is None:
                     raise WorkbookError(f"capture worker returned states for unknown request {internal!r}",
                                         "report this as a bug: requests and captures are out of step")
-                tok, layers = decode(blob)
-                per_req.setdefault(external, {}).update(layers)
-                if tok.numel():
-                    tokens[external] = tok
+                files.setdefault(external, []).append(path)
         for (row, token_ids), rid in zip(batch, ids, strict=True):
-            layers = per_req.get(rid)
-            if layers is None or sorted(layers) != sorted(self.layer_ids):
-                raise WorkbookError(f"row {row}: captured layer ids {sorted(layers or {})}, expected {self.layer_ids}",
+            paths = files.get(rid, [])
+            found = {p: file_layer_ids(p) for p in paths}
+            have = sorted(k for ks in found.values() for k in ks)
+            if have != sorted(self.layer_ids):
+                raise WorkbookError(f"row {row}: captured layer ids {have}, expected {self.layer_ids}",
                                     "a capture went missing between the engine and the workbook (report this)")
-            t = len(token_ids)
-            if rid in tokens and tokens[rid].tolist() != list(token_ids):
+            if len(paths) == 1 and found[paths[0]] == self.layer_ids:
+                yield row, hand_on(row, token_ids, paths[0], self.dtype, len(self.layer_ids), self.stats)
+                continue
+            yield row, self._merge(row, token_ids, found)
+
+    def _merge(self, row: int, token_ids: list[int], found: dict[str, list[int]]) -> torch.Tensor:
+        """One file per pipeline stage (each holds its own layers): read, put in layer order, delete."""
+        from safetensors.torch import load_file
+
+        slots: dict[int, torch.Tensor] = {}
+        for path, ks in found.items():
+            data = load_file(path, device="cpu")
+            os.remove(path)
+            if data["token_ids"].tolist() != list(token_ids):
                 raise WorkbookError(f"row {row}: the engine ran different token ids than the row holds",
                                     "report this as a bug: requests and captures are out of step")
-            slots = []
-            for k in self.layer_ids:
-                s = layers[k]
-                if s.dim() != 2 or s.shape[0] != t:
-                    raise WorkbookError(f"row {row}: layer id {k} captured {list(s.shape)}, expected [{t}, H]",
-                                        "the engine scheduled more or fewer tokens than the prompt (report this)")
-                slots.append(s)
-            yield row, torch.stack(slots, dim=1).to(self.dtype)
+            hs = data["hidden_states"]
+            if hs.dim() != 3 or list(hs.shape[:2]) != [len(token_ids), len(ks)]:
+                raise WorkbookError(f"row {row}: {path} holds hidden_states {list(hs.shape)}, expected "
+                                    f"[{len(token_ids)}, {len(ks)}, H]", "report this as a bug")
+            slots.update({k: hs[:, j] for j, k in enumerate(ks)})
+        self.stats["merged"] += 1
+        return torch.stack([slots[k] for k in self.layer_ids], dim=1).to(self.dtype)
 
     def close(self) -> None:
         if self.llm is not None:
@@ -314,6 +375,7 @@ class VllmWorkerBackend:
                 pass
             stop_engine(self.llm)
             self.llm = None
+        shutil.rmtree(self.spool, ignore_errors=True)
 
 
 def require_vllm(setting: str, otherwise: str) -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3lib.backends.adapters import check_cpu_support, select_adapter
@@ -35,6 +34,7 @@ from eagle3lib.backends.vllm_backend import (
     compat_engine_kwargs,
     engine_kwargs,
     generate,
+    hand_on,
     on_cpu,
     pipelined,
     prepare_environment,
@@ -44,7 +44,7 @@ from eagle3lib.backends.vllm_backend import (
 )
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
-from eagle3lib.shards import DTYPES, SAFETENSORS_DTYPES
+from eagle3lib.shards import DTYPES
 from eagle3lib.target import read_hf_config
 
 
@@ -95,14 +95,6 @@ def read_states_file(path: str, pump: Any = None, timeout_s: float = 600.0) -> d
     return data
 
 
-def file_dtype(path: str) -> torch.dtype | None:
-    """The dtype of a connector file's hidden_states, read from its header only."""
-    with safe_open(path, framework="pt") as f:
-        if "hidden_states" not in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            return None
-        return SAFETENSORS_DTYPES.get(f.get_slice("hidden_states").get_dtype())
-
-
 class VllmNativeBackend:
     """Strategy `native`: one engine with the extract_hidden_states method; a file per prompt, read and removed."""
 
@@ -146,25 +138,7 @@ class VllmNativeBackend:
                 t0 = time.perf_counter()
                 wait_for_file(path, pump)
                 self.stats["wait_s"] += time.perf_counter() - t0
-                if file_dtype(path) == self.dtype:
-                    self.stats["adopted"] += 1
-                    yield row, Path(path)  # shape, dtype and token ids are checked by the shard writer
-                    continue
-                data = load_file(path, device="cpu")
-                os.remove(path)
-                hs, tok = data.get("hidden_states"), data.get("token_ids")
-                if hs is None or tok is None:
-                    raise WorkbookError(f"row {row}: {path} holds {sorted(data)}, expected hidden_states and token_ids",
-                                        "this vLLM version changed the connector's file format")
-                t = len(token_ids)
-                if hs.dim() != 3 or list(hs.shape[:2]) != [t, n_slots]:
-                    raise WorkbookError(f"row {row}: vLLM wrote hidden_states {list(hs.shape)}, expected "
-                                        f"[{t}, {n_slots}, H]", "this vLLM version changed the connector's layout")
-                if tok.tolist() != list(token_ids):
-                    raise WorkbookError(f"row {row}: vLLM's file holds different token ids than the row",
-                                        "report this as a bug: files and requests are out of step")
-                self.stats["converted"] += 1
-                yield row, hs.to(self.dtype)
+                yield row, hand_on(row, token_ids, path, self.dtype, n_slots, self.stats)
 
     def _generate(self, batch: list[tuple[int, list[int]]]) -> list[Any]:
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The workbook's own vLLM capture worker: a worker extension that hooks the decoder layers and keeps, per request,
-the residual stream at the configured layer ids.
+"""The workbook's own vLLM capture worker: a worker extension that hooks the decoder layers and writes, per request,
+the residual stream at the configured layer ids into one shard-shaped file.
 
 Loaded by vLLM into every worker process with `worker_extension_cls="eagle3lib.backends.vllm_worker.CaptureWorker"`
 and driven through `LLM.collective_rpc`. It exists for targets vLLM's native extract_hidden_states cannot serve
@@ -9,25 +9,32 @@ where the layers are and what they return.
 How a step is split: vLLM flattens the scheduled tokens of every running request into one batch, in the order of
 `model_runner.input_batch.req_ids`, each request contributing `scheduler_output.num_scheduled_tokens[req_id]` tokens
 (a long prompt may be chunked over several steps: the chunks are appended). The runner's `execute_model` is wrapped
-to see the scheduler output; the hooks only record the step's states, the split happens once after the forward.
+to see the scheduler output; each hook copies its layer's states into one step buffer [tokens, n_local, H].
+
+How states leave the GPU (the native connector's recipe; the earlier per-step synchronous pageable `.to("cpu")` and
+safetensors bytes through collective_rpc could not finish 256 x 2048 tokens of an 8B-shaped target in 110 s on the
+H200): after the forward, the step buffer is copied into pinned host memory on a side stream; once a request's last
+prompt token is captured, a writer thread waits for its copies, writes `{hidden_states [T, n_local, H], token_ids}`
+(the shard's own keys, layer ids in the metadata) into the spool folder and `eagle3_pop` returns the paths. The driver
+renames a file into the dataset (same filesystem), so the states cross the disk once. Only tensor-parallel rank 0
+of each pipeline stage records (every TP rank holds the same full states).
 
 Why errors are returned, never raised: an exception inside a hook kills the engine, and the distributed layer once
-turned it into an empty message. Every RPC here catches, and replies `{"error": "<traceback>"}`; a hook that fails
-records its traceback and the next `eagle3_pop` reports it, so the real text reaches the user.
-
-Why bytes: tensors crossing collective_rpc arrive as undecoded lists unless insecure serialization is switched on
-(never). Each request's states travel as one safetensors blob.
+turned it into an empty message. Every RPC here catches, and replies `{"error": "<traceback>"}`; a hook or writer
+that fails records its traceback and the next `eagle3_pop` reports it, so the real text reaches the user.
 """
 
 from __future__ import annotations
 
 import os
 import traceback
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file
 
 try:  # bring eagle3lib.compat's worker-scope patches into this (worker) process before vLLM builds the model
     from eagle3lib.compat import worker_setup
@@ -37,35 +44,29 @@ except ImportError:  # pragma: no cover - compat without worker_setup
     COMPAT_PATCHES = []
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def encode(token_ids: list[int], states: dict[int, torch.Tensor]) -> bytes:
-    """One request's capture as a safetensors blob: token_ids int64 [T] and L{id} [T, H] per layer id."""
-    tensors = {"token_ids": torch.tensor(token_ids, dtype=torch.int64)}
-    tensors.update({f"L{k}": v.contiguous() for k, v in states.items()})
-    return st_save(tensors)
-
-
-def decode(blob: bytes) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    data = st_load(blob)
-    token_ids = data.pop("token_ids")
-    return token_ids, {int(k[1:]): v for k, v in data.items()}
+MAX_PENDING_BYTES = 8 << 30  # host memory of captured states not yet on disk: the step loop waits above this
+LAYER_IDS_KEY = "eagle3_layer_ids"  # safetensors metadata: the layer ids of the file's hidden_states slots
 
 
 class _Capture:
-    """Per-worker capture state: hooks, the current step's scheduler output, and per-request buffers."""
+    """Per-worker capture state: hooks, the step in flight, per-request chunks and the writers."""
 
-    def __init__(self, layer_ids: list[int], dtype: torch.dtype, num_layers: int):
-        self.layer_ids = layer_ids
-        self.dtype = dtype
-        self.num_layers = num_layers
+    def __init__(self, local: list[int], dtype: torch.dtype, spool: Path, threads: int, rank: int):
+        self.local, self.dtype, self.spool, self.rank = local, dtype, spool, rank
+        self.slot = {k: j for j, k in enumerate(local)}
         self.sched: Any = None  # scheduler output of the step in flight (None outside execute_model)
         self.order: list[tuple[str, int]] | None = None  # (req_id, n_tokens) of the step in flight
-        self.step: dict[int, torch.Tensor] = {}  # layer id -> [step_tokens, H] for the step in flight
-        self.buffers: dict[str, dict[int, list[torch.Tensor]]] = {}
+        self.buf: torch.Tensor | None = None  # [step_tokens, n_local, H] for the step in flight
+        self.filled: set[int] = set()
+        self.chunks: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # req_id -> [(host states, copy event)]
+        self.captured: dict[str, int] = {}
         self.prompts: dict[str, list[int]] = {}
+        self.files: dict[str, Future] = {}  # req_id -> the writer's future (its path)
+        self.pending: deque[tuple[Future, int]] = deque()
         self.errors: list[str] = []
         self.handles: list[Any] = []
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="eagle3-capture-writer")
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
 
 class CaptureWorker:
@@ -73,32 +74,43 @@ class CaptureWorker:
     stay clear of the Worker's own names (vLLM refuses an extension that shadows one)."""
 
     # ---- RPCs --------------------------------------------------------------------------------------------------
-    def eagle3_install(self, layer_ids: list[int], adapter_fields: dict[str, Any], dtype: str) -> dict[str, Any]:
-        """Install hooks for `layer_ids` (aux ids + final N). Returns {"rank", "layers": ids on this rank} or
-        {"error": traceback}."""
+    def eagle3_install(self, layer_ids: list[int], adapter_fields: dict[str, Any], dtype: str, spool: str,
+                       writer_threads: int = 4) -> dict[str, Any]:
+        """Install hooks for `layer_ids` (aux ids + final N); files go to `spool`. Returns {"rank", "layers": ids on
+        this rank, "writes": whether this rank records} or {"error": traceback}."""
         try:
-            return self._eagle3_install(list(layer_ids), adapter_fields, dtype)
+            return self._eagle3_install(list(layer_ids), adapter_fields, dtype, Path(spool), writer_threads)
         except BaseException:  # noqa: BLE001 - reported to the driver with the real text
             return {"rank": self._eagle3_rank(), "error": traceback.format_exc()}
 
-    def eagle3_pop(self, req_ids: list[str] | None = None) -> dict[str, Any]:
-        """Finished captures as {"rank", "tp_rank", "states": {req_id: safetensors bytes}} and any hook errors."""
+    def eagle3_pop(self, req_ids: list[str]) -> dict[str, Any]:
+        """The files of these finished requests as {"rank", "files": {req_id: path}} (waiting for their writers),
+        or {"error": ...} with any hook or writer traceback."""
         try:
             cap: _Capture | None = getattr(self, "_eagle3_cap", None)
             if cap is None:
                 return {"rank": self._eagle3_rank(), "error": "eagle3_pop before eagle3_install: no capture installed"}
+            files: dict[str, str] = {}
+            for rid in [r for r in list(cap.files) if _matches(r, req_ids)]:
+                try:
+                    files[rid] = cap.files.pop(rid).result()
+                except BaseException:  # noqa: BLE001
+                    cap.errors.append(traceback.format_exc())
+            unfinished = {r: (cap.captured.get(r, 0), len(cap.prompts.get(r, ())))
+                          for r in list(cap.chunks) if _matches(r, req_ids)}
+            for rid in unfinished:
+                cap.chunks.pop(rid, None)
+                cap.captured.pop(rid, None)
+                cap.prompts.pop(rid, None)
+            if unfinished:
+                cap.errors.append(f"capture worker: requests finished with only part of their prompt captured "
+                                  f"(captured, prompt tokens): {unfinished}")
             errors, cap.errors = cap.errors, []
             if errors:
+                for path in files.values():
+                    Path(path).unlink(missing_ok=True)
                 return {"rank": self._eagle3_rank(), "error": "\n".join(errors)}
-            wanted = list(cap.buffers) if req_ids is None else [r for r in cap.buffers if _matches(r, req_ids)]
-            states: dict[str, bytes] = {}
-            for rid in wanted:
-                bufs = cap.buffers.pop(rid)
-                prompt = cap.prompts.pop(rid, [])
-                if self._eagle3_tp_rank() != 0:
-                    continue  # every TP rank holds the same full states: rank 0 answers
-                states[rid] = encode(prompt, {k: torch.cat(v, dim=0) for k, v in bufs.items()})
-            return {"rank": self._eagle3_rank(), "tp_rank": self._eagle3_tp_rank(), "states": states}
+            return {"rank": self._eagle3_rank(), "files": files}
         except BaseException:  # noqa: BLE001
             return {"rank": self._eagle3_rank(), "error": traceback.format_exc()}
 
@@ -110,6 +122,7 @@ class CaptureWorker:
             runner = self.model_runner
             if "execute_model" in vars(runner):
                 del runner.execute_model
+            cap.pool.shutdown(wait=True)
             self._eagle3_cap = None
         return {"rank": self._eagle3_rank()}
 
@@ -125,7 +138,8 @@ class CaptureWorker:
         except Exception:  # noqa: BLE001 - not initialised (single process): rank 0
             return 0
 
-    def _eagle3_install(self, layer_ids: list[int], adapter_fields: dict[str, Any], dtype: str) -> dict[str, Any]:
+    def _eagle3_install(self, layer_ids: list[int], adapter_fields: dict[str, Any], dtype: str, spool: Path,
+                        writer_threads: int) -> dict[str, Any]:
         from eagle3lib.backends.adapters import DEEPSEEK, LLAMA, Adapter
 
         family = {"llama": LLAMA, "deepseek": DEEPSEEK}[adapter_fields["family"]]
@@ -139,25 +153,29 @@ class CaptureWorker:
         if bad:
             raise ValueError(f"capture worker: layer ids {bad} out of range for a model with {n} decoder layers "
                              f"(valid: 0..{n}, where {n} is the final pre-norm output)")
-        cap = _Capture(layer_ids, DTYPES[dtype], n)
 
         def present(i: int) -> bool:  # pipeline parallel: layers of other ranks are PPMissingLayer placeholders
             return type(layers[i]).__name__ != "PPMissingLayer"
 
-        local: list[int] = []
-        for k in layer_ids:
-            if k < n and present(k):
+        local = sorted(k for k in layer_ids if (k < n and present(k)) or (k == n and present(n - 1)))
+        writes = self._eagle3_tp_rank() == 0 and bool(local)
+        result = {"rank": self._eagle3_rank(), "layers": local, "writes": writes, "num_layers": n,
+                  "adapter": adapter.name, "pid": os.getpid()}
+        if not writes:
+            return result  # another TP rank records the same states
+        spool.mkdir(parents=True, exist_ok=True)
+        cap = _Capture(local, DTYPES[dtype], spool, writer_threads, self._eagle3_rank())
+        for k in local:
+            if k < n:
                 cap.handles.append(layers[k].register_forward_pre_hook(
                     self._eagle3_pre_hook(cap, k, family), with_kwargs=True))
-                local.append(k)
-            elif k == n and present(n - 1):
+            else:
                 cap.handles.append(layers[n - 1].register_forward_hook(self._eagle3_post_hook(cap, k, family)))
-                local.append(k)
 
         inner = runner.execute_model
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            cap.sched, cap.order, cap.step = scheduler_output, None, {}
+            cap.sched, cap.order, cap.buf, cap.filled = scheduler_output, None, None, set()
             for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
                 if new.prompt_token_ids is not None:
                     cap.prompts[new.req_id] = list(new.prompt_token_ids)
@@ -168,12 +186,11 @@ class CaptureWorker:
                     self._eagle3_flush_step(cap)
                 except BaseException:  # noqa: BLE001
                     cap.errors.append(traceback.format_exc())
-                cap.sched, cap.order, cap.step = None, None, {}
+                cap.sched, cap.order, cap.buf = None, None, None
 
         runner.execute_model = execute_model
         self._eagle3_cap = cap
-        return {"rank": self._eagle3_rank(), "layers": local, "num_layers": n, "adapter": adapter.name,
-                "pid": os.getpid()}
+        return result
 
     def _eagle3_order(self, cap: _Capture) -> list[tuple[str, int]]:
         """(req_id, tokens) of this step in the flattened batch order."""
@@ -188,6 +205,8 @@ class CaptureWorker:
         return cap.order
 
     def _eagle3_record(self, cap: _Capture, k: int, stream: torch.Tensor) -> None:
+        """Copy layer id k's states of this step into the step buffer (a copy, never a view: later layers' fused
+        add-norms update their inputs in place)."""
         if cap.sched is None:
             return  # dummy / profiling runs outside a scheduled step
         try:
@@ -195,10 +214,10 @@ class CaptureWorker:
             if stream.dim() != 2 or stream.shape[0] < total:
                 raise RuntimeError(f"capture worker: layer id {k} state has shape {list(stream.shape)}, expected "
                                    f"[>= {total} tokens, hidden] for this step")
-            kept = stream[:total].to(cap.dtype)
-            if kept.data_ptr() == stream.data_ptr():
-                kept = kept.clone()  # never keep a view: later layers' fused add-norms update their inputs in place
-            cap.step[k] = kept
+            if cap.buf is None:
+                cap.buf = torch.empty((total, len(cap.local), stream.shape[1]), dtype=cap.dtype, device=stream.device)
+            cap.buf[:, cap.slot[k]].copy_(stream[:total])
+            cap.filled.add(k)
         except BaseException:  # noqa: BLE001
             cap.errors.append(traceback.format_exc())
 
@@ -228,19 +247,74 @@ class CaptureWorker:
         return hook
 
     def _eagle3_flush_step(self, cap: _Capture) -> None:
-        """Split the step's states by request and append them to the per-request buffers (one device→CPU copy)."""
-        if not cap.step:
+        """Start the step buffer's copy to host memory (pinned, side stream, on a GPU), split it by request, and
+        hand every request whose prompt is now fully captured to a writer thread."""
+        if cap.buf is None:
             return
+        if cap.filled != set(cap.local):
+            raise RuntimeError(f"capture worker: this step ran layer ids {sorted(cap.filled)} of {cap.local}: a hook "
+                               "did not fire (a compiled or CUDA-graph model? the engine must run eager)")
         order = self._eagle3_order(cap)
-        keys = sorted(cap.step)
-        stacked = torch.stack([cap.step[k] for k in keys], dim=1).to("cpu")  # [tokens, n_local, H]
+        buf, event = cap.buf, None
+        if buf.is_cuda:
+            host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+            cap.stream.wait_stream(torch.cuda.current_stream(buf.device))
+            with torch.cuda.stream(cap.stream):
+                host.copy_(buf, non_blocking=True)
+            buf.record_stream(cap.stream)
+            event = torch.cuda.Event()
+            event.record(cap.stream)
+            buf = host
         start = 0
         for rid, n in order:
-            chunk = stacked[start:start + n]
+            piece = buf[start:start + n]
             start += n
-            bufs = cap.buffers.setdefault(rid, {k: [] for k in keys})
-            for j, k in enumerate(keys):
-                bufs.setdefault(k, []).append(chunk[:, j])
+            if rid not in cap.prompts:
+                continue  # past its prompt: a decode token (an async scheduler may run one before it sees max_tokens)
+            cap.chunks.setdefault(rid, []).append((piece, event))
+            done = cap.captured.get(rid, 0) + n
+            cap.captured[rid] = done
+            if done >= len(cap.prompts[rid]):
+                self._eagle3_submit(cap, rid)
+
+    def _eagle3_submit(self, cap: _Capture, rid: str) -> None:
+        chunks, prompt = cap.chunks.pop(rid), cap.prompts.pop(rid)
+        captured = cap.captured.pop(rid)
+        if captured != len(prompt):
+            raise RuntimeError(f"capture worker: request {rid} ran {captured} tokens for a {len(prompt)}-token prompt "
+                               "(preempted and recomputed, or decoded past its prompt?); lower "
+                               "extract.vllm_request_tokens or raise gpu_memory_utilization")
+        nbytes = sum(c.numel() * c.element_size() for c, _ in chunks)
+        while cap.pending and sum(b for _, b in cap.pending) + nbytes > MAX_PENDING_BYTES:
+            cap.pending.popleft()[0].exception()  # back-pressure: wait for the oldest write (errors surface in pop)
+        path = cap.spool / f"{rid}.r{cap.rank}.safetensors"
+        fut = cap.pool.submit(_write_request, chunks, prompt, cap.local, path)
+        cap.files[rid] = fut
+        cap.pending.append((fut, nbytes))
+        while cap.pending and cap.pending[0][0].done():
+            cap.pending.popleft()
+
+
+def _write_request(chunks: list[tuple[torch.Tensor, Any]], prompt: list[int], local: list[int], path: Path) -> str:
+    """One request's states as a shard-shaped file (written under a temporary name, then renamed)."""
+    for _, event in chunks:
+        if event is not None:
+            event.synchronize()
+    states = chunks[0][0] if len(chunks) == 1 else torch.cat([c for c, _ in chunks])
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(prompt, dtype=torch.int64)}, str(tmp),
+              metadata={LAYER_IDS_KEY: ",".join(map(str, local))})
+    os.replace(tmp, path)
+    return str(path)
+
+
+def file_layer_ids(path: str | Path) -> list[int]:
+    """The layer ids of a capture file's hidden_states slots (from its metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        text = (f.metadata() or {}).get(LAYER_IDS_KEY, "")
+    return [int(x) for x in text.split(",") if x]
 
 
 def _matches(internal_id: str, external_ids: list[str]) -> bool:
