@@ -7,31 +7,35 @@
 #   launch   start the plan (STEPS, below) in the background and return
 #   poll     wait up to WAIT s (default 540) for the plan, refreshing $OUT every minute so a call cut short keeps
 #            what it had: the results' JSON, the runs' small files (runs.tgz) and the logs (logs.tgz)
-# STEPS (for launch; default "recipe_ab"), in order:
+# STEPS (for launch; default "benchmarks scaling"), in order:
 #   recipe      GPU 0: configs/smollm2-h200.yaml, stages 00-06 (issue 12) | GPU 1: the same data with the draft on
 #               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12)
-#   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run's stages 02/04 (when missing,
-#               on a smaller run of the same data kinds, made first), then extraction 1 vs 2 GPUs (issue 10)
-#   benchmarks  GPU 0: the training benchmark (issue 7) | GPU 1: vLLM native vs prefill, all rows in one generate
-#               call (issue 5)
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
 #               stages 02-04 (forked once they exist) trained with AB_PARAMS and evaluated offline + embedded (A/B)
+#   benchmarks  GPU 0: the small run's stages 00-04 (bundled x8 + 4,000 self-instruct prompts, ~5 min), the
+#               generator benchmark, then the small run trained as configured | GPU 1: vLLM prefill vs the
+#               workbook's native and worker strategies (issue 5), then the small run trained with AB_PARAMS; both
+#               arms evaluated embedded (A/B, issue 12)
+#   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
+#               when missing), then extraction 1 vs 2 GPUs on disk and in /dev/shm (issue 10)
 # Measured 2026-11-29 on x2: copy + install ~2 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0); `scaling`
-# after it was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `scaling benchmarks`, not both.
+# after it was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `benchmarks scaling`, not both.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
 RUN=${RUN:-smollm2-h200}
-STEPS=${STEPS:-recipe_ab}
-AB_PARAMS=${AB_PARAMS:--p train.lr=0.002}  # recipe_ab's second arm: stages 05-06 again on the recipe's states
+STEPS=${STEPS:-benchmarks scaling}
+AB_PARAMS=${AB_PARAMS:--p train.num_layers=2}  # the A/B arm: stages 05-06 again on the same states
+SRUN=$RUN-small  # the small run: stage 02 in minutes instead of ~10, for the scaling step and the A/B arms
+SMALL=(-p "data.sources=[{kind: bundled, replies: 8}, {kind: self_instruct, limit: 4000}]")
 RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
 
 # the runs' small files: reports, manifests, curves, figures, eval results (no tensors, no checkpoints)
 pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
-  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b 2>/dev/null; }
+  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -41,14 +45,21 @@ run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
   CUDA_VISIBLE_DEVICES=$gpu timeout 1800 python3 -m eagle3lib.cli run --config "$CONFIG" "$@" > "$RES/$name.log" 2>&1
   echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
 
-bench_train() { CUDA_VISIBLE_DEVICES=$1 timeout 480 python3 benchmarks/train.py --out "$RES/train_h200.json" \
-  > "$RES/bench_train.log" 2>&1; }
-bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/generate.py --config "$CONFIG" \
-  --prompts 2048 --max-new-tokens 256 --variants '{}' '{"max_num_seqs": 512}' '{"async_scheduling": true}' \
+# vLLM 0.26 on an H200 defaults to max_num_seqs 1024 and async scheduling, but captures CUDA graphs only up to 512
+# sequences: the variant runs every decode batch (up to 2048) as a graph
+bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/generate.py --config "$CONFIG" \
+  --prompts 2048 --max-new-tokens 192 --temperatures 0.7 \
+  --variants '{}' '{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}' \
   --out "$RES/generate_h200.json" > "$RES/bench_generate.log" 2>&1; }
-bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 480 python3 benchmarks/extract.py --backend vllm-all \
-  --modes vllm-prefill,vllm-native --multiprocess --request-tokens 524288 --timeout 220 \
+bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/extract.py --backend vllm-all \
+  --modes vllm-prefill,vllm-native,vllm-worker --multiprocess --timeout 190 \
   --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1; }
+has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
+small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
+# stages 05-06 of the small run in a fork: $1 = GPU, $2 = arm name (a | b), the rest = overrides
+small_arm() { local gpu=$1 arm=$2; shift 2; has_states "$SRUN" || return 0
+  python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$SRUN', 'outputs/$SRUN-$arm')"
+  run_on "$gpu" "arm_$arm" --run "$SRUN-$arm" --stages 05-06 "${SMALL[@]}" -p "evaluate.methods=[embedded]" "$@"; }
 
 case "$phase" in
 copy)
@@ -87,37 +98,37 @@ plan)
       run_on "$g1" eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[29]" -p "evaluate.methods=[offline, embedded, vllm]" &
       wait
       ;;
+    benchmarks)
+      step "small run, generator settings, arm a (GPU 0) | vLLM prefill/native/worker, arm b: $AB_PARAMS (GPU $g1)"
+      ( small_run 0; bench_generate 0; step "arm a"; small_arm 0 a ) &
+      # shellcheck disable=SC2086 - AB_PARAMS is a list of -p KEY=VALUE words
+      ( bench_vllm "$g1"; for _ in $(seq 60); do has_states "$SRUN" && break; sleep 10; done
+        step "arm b"; small_arm "$g1" b $AB_PARAMS ) &
+      wait
+      ;;
     scaling)
       srun=$RUN; sdata=()
-      if ! ls outputs/$RUN/manifests/04_*.json >/dev/null 2>&1; then
-        # no recipe run here: a smaller data set of the same kind (stage 02 in ~3 min instead of ~10)
-        srun=$RUN-scaling; sdata=(-p "data.sources=[{kind: bundled, replies: 8}, {kind: self_instruct, limit: 4000}]")
-        step "stages 00-04 for $srun"; run_on 0 scaling_data --run "$srun" --stages 00-04 "${sdata[@]}"
+      if ! has_states "$RUN"; then
+        srun=$SRUN; sdata=("${SMALL[@]}")
+        step "stages 00-04 for $srun"; small_run 0
       fi
       step "draft training, 1 vs 2 GPUs"
       timeout 600 python3 benchmarks/scaling.py train --config "$CONFIG" --run "$srun" "${sdata[@]}" --gpus 2 \
         --steps 200 --out "$RES/scaling_train_h200x2.json" > "$RES/scaling_train.log" 2>&1
-      step "extraction, 1 vs 2 GPUs"
-      timeout 400 python3 benchmarks/scaling.py extract --gpus 2 --rows 1024 --out "$RES/scaling_extract_h200x2.json" \
-        > "$RES/scaling_extract.log" 2>&1
-      # 2 GPUs reached 0.77 of 2x at 1.4 GB/s of shards: the same with target and shards in memory says whether the
-      # disk is the limit
+      # 256 rows reached 0.77 of 2x writing 1.4 GB/s of shards: in /dev/shm first (is it the scaling?), then on disk
       step "extraction, 1 vs 2 GPUs, in /dev/shm"
-      timeout 300 python3 benchmarks/scaling.py extract --gpus 2 --rows 256 --workdir /dev/shm/eagle3-scaling \
+      timeout 300 python3 benchmarks/scaling.py extract --gpus 2 --rows 512 --workdir /dev/shm/eagle3-scaling \
         --out "$RES/scaling_extract_shm_h200x2.json" > "$RES/scaling_extract_shm.log" 2>&1
       rm -rf /dev/shm/eagle3-scaling
-      ;;
-    benchmarks)
-      step "training benchmark (GPU 0) | vLLM native vs prefill in one generate call (GPU $g1)"
-      bench_train 0 &
-      bench_vllm "$g1" &
-      wait
+      step "extraction, 1 vs 2 GPUs, on disk"
+      timeout 400 python3 benchmarks/scaling.py extract --gpus 2 --rows 1024 --out "$RES/scaling_extract_h200x2.json" \
+        > "$RES/scaling_extract.log" 2>&1
       ;;
     recipe_ab)
       step "recipe (GPU 0) | generator settings, then the recipe's states trained with: $AB_PARAMS (GPU $g1)"
       run_on 0 recipe --run "$RUN" &
       ( bench_generate "$g1"
-        for _ in $(seq 120); do ls outputs/$RUN/manifests/04_*.json >/dev/null 2>&1 && break; sleep 10; done
+        for _ in $(seq 120); do has_states "$RUN" && break; sleep 10; done
         step "fork $RUN -> $RUN-b (stages 05-06 with $AB_PARAMS)"
         python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-b')"
         # shellcheck disable=SC2086 - AB_PARAMS is a list of -p KEY=VALUE words
