@@ -185,6 +185,14 @@ def hidden_states_kv_transfer_config(storage_path: str | Path, **extra_config: A
 
 
 def _detect() -> bool:
+    """Needed on a machine without CUDA only. On a GPU the registry keeps upstream's asynchronous connector even if
+    the probe fails there (stage 01 on the H200 once reported such a failure while stage 02's own probe passed): a
+    patched registry would silently make every vLLM worker write synchronously (~3x slower);
+    `hidden_states_kv_transfer_config` still falls back, with a warning, where the upstream class cannot write."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
     try:
         import vllm.distributed.kv_transfer.kv_connector.factory  # noqa: F401
     except ImportError:

@@ -46,10 +46,15 @@ def _fmt(v: Any) -> str:
 
 
 def audit_rows(before: list[AuditResult], after: list[AuditResult], tags: set[str]) -> list[dict[str, Any]]:
+    """One row per contract. A contract a patch repaired keeps why it failed before ("before: …; after: …"): the
+    H200 once repaired vLLM's hidden-states connector with the CPU one, and only the reason could tell why."""
     rows = []
     for b, a in zip(before, after, strict=True):
+        detail = a.detail or b.detail
+        if b.status != a.status and b.detail and b.detail != a.detail:
+            detail = f"before: {b.detail}; after: {a.detail or a.status}"
         rows.append({"name": a.name, "needed here": bool(set(a.needs) & tags), "before patches": b.status,
-                     "status": a.status, "detail": a.detail or b.detail, "expect": a.expect, "symbol": a.symbol,
+                     "status": a.status, "detail": detail, "expect": a.expect, "symbol": a.symbol,
                      "stages": list(a.stages), "needs": list(a.needs), "repaired by": a.repaired_by})
     return rows
 
