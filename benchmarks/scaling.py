@@ -6,9 +6,10 @@
              run's first written shard to its last (steady state: the per-process model load is reported apart).
              Afterwards every shard the N processes wrote is checked: one valid dataset.
     train:   stage 05 under `torchrun --nproc-per-node 1` and `--nproc-per-node N` (speculators' DDP) on a run that
-             already has stages 02 and 04, each in a hard-linked copy of it, for the same number of optimizer steps.
-             tokens/s = rank 0's tokens/s x N (the packing sampler balances tokens over ranks); the loss and
-             acceptance curves of both runs are written side by side (per step, and per tokens seen).
+             already has stages 02 and 04, each in a hard-linked copy of it, for one epoch capped at --steps
+             optimizer steps (an epoch shorter than that is N times fewer steps on N GPUs: the same data).
+             tokens/s = rank 0's tokens/s x N (the packing sampler balances tokens over ranks), from step 20 on;
+             the loss and acceptance curves of both runs are written side by side, every 10 steps.
 
     python benchmarks/scaling.py extract --gpus 2 --out benchmarks/results/scaling_extract_h200x2.json
     python benchmarks/scaling.py train --config configs/smollm2-h200.yaml --run smollm2-h200 --gpus 2 \

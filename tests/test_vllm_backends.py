@@ -225,6 +225,24 @@ def test_mla_head_size_the_cpu_kernel_cannot_run_is_refused_before_an_engine_sta
         check_cpu_support(select_adapter(bad), bad)
 
 
+def test_a_capture_writer_failure_reaches_the_driver_with_its_real_message(tmp_path):
+    """The worker's writer threads run after eagle3_pop has returned the paths: a writer that fails leaves
+    `<path>.error` with its traceback, and the driver waiting for the file stops with that text (not a timeout)."""
+    from eagle3lib.backends.vllm_backend import wait_for_worker_file
+    from eagle3lib.backends.vllm_worker import _write_request, file_layer_ids
+
+    good = tmp_path / "7-abc.r0.safetensors"
+    _write_request([(torch.ones(3, 2, 4), None)], [5, 6, 7], [2, 30], good)
+    wait_for_worker_file(0, str(good))
+    assert file_layer_ids(good) == [2, 30]
+    bad = tmp_path / "8-abc.r0.safetensors"
+    with pytest.raises(TypeError):
+        _write_request([(torch.ones(3, 2, 4), None)], [5, None, 7], [2, 30], bad)  # a token id that is not an int
+    assert not bad.exists() and not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(WorkbookError, match="(?s)row 4: the capture worker failed to write its states: .*TypeError"):
+        wait_for_worker_file(4, str(bad), timeout_s=5)
+
+
 # ---- SmolLM2: both strategies vs transformers -----------------------------------------------------------------------
 
 SMOL_IDS = [0, 2, 15, 27, 30]  # id 0 (embedding, residual None) and the final pre-norm slot 30 included

@@ -267,6 +267,22 @@ def hand_on(row: int, token_ids: list[int], path: str | Path, dtype: torch.dtype
     return hs.to(dtype)
 
 
+def wait_for_worker_file(row: int, path: str, timeout_s: float = 600.0) -> None:
+    """Return once the capture worker's writer renamed `path` into place; its `.error` file (the writer's traceback)
+    stops the run with the real message."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if os.path.exists(path + ".error"):
+            with open(path + ".error") as f:
+                text = f.read().strip()
+            raise WorkbookError(f"row {row}: the capture worker failed to write its states: {text}",
+                                "read the worker's traceback above (it is the real error)")
+        if time.monotonic() > deadline:
+            raise WorkbookError(f"row {row}: the capture worker did not write {path} within {timeout_s:.0f} s",
+                                "check the engine log above for a worker error")
+        time.sleep(0.002)
+
+
 class VllmWorkerBackend:
     """Strategy `worker`: the workbook's capture worker hooks the decoder layers of a plain vLLM engine and writes one
     shard-shaped file per request into a spool folder of the run (eagle3lib.backends.vllm_worker)."""
@@ -283,7 +299,8 @@ class VllmWorkerBackend:
         # on the dataset's filesystem: a file becomes a shard by a rename. Leftovers of a killed run are never read
         self.spool = cache_root(cfg) / "vllm_worker_states"
         shutil.rmtree(self.spool, ignore_errors=True)
-        self.stats: dict[str, Any] = {"generate_s": 0.0, "pop_s": 0.0, "adopted": 0, "converted": 0, "merged": 0}
+        self.stats: dict[str, Any] = {"generate_s": 0.0, "pop_s": 0.0, "wait_s": 0.0, "adopted": 0, "converted": 0,
+                                      "merged": 0}
         prepare_environment(cfg)
         self.llm = llm
         if self.llm is None:
@@ -338,6 +355,10 @@ class VllmWorkerBackend:
                 files.setdefault(external, []).append(path)
         for (row, token_ids), rid in zip(batch, ids, strict=True):
             paths = files.get(rid, [])
+            t0 = time.perf_counter()
+            for p in paths:
+                wait_for_worker_file(row, p)
+            self.stats["wait_s"] += time.perf_counter() - t0
             found = {p: file_layer_ids(p) for p in paths}
             have = sorted(k for ks in found.values() for k in ks)
             if have != sorted(self.layer_ids):
