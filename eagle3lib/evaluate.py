@@ -37,9 +37,9 @@ from eagle3lib import atomic, plots
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import StageRun
 from eagle3lib.speculative import Acceptance
+from eagle3lib.vllm_spec import NGRAM
 
 log = logging.getLogger("eagle3lib.evaluate")
-NGRAM = "vllm n-gram (no draft)"  # the baseline's row in by_method and the report
 
 # ------------------------------------------------------------------------------------------------------ inputs
 

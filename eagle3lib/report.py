@@ -17,6 +17,7 @@ from typing import Any
 from eagle3lib import atomic
 from eagle3lib.rundir import RunDir, manifest_file
 from eagle3lib.stages import ALL_STAGES
+from eagle3lib.vllm_spec import NGRAM
 
 
 def per_position(acceptance: dict[str, Any]) -> str | None:
@@ -93,7 +94,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         for name in ("vllm", "embedded", "offline (held-out, decoder path)", "offline (validation rows)"):
             if name in by:
                 head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
-        ngram = by.get("vllm n-gram (no draft)", {})
+        ngram = by.get(NGRAM, {})
         if ngram.get("tokens_per_step"):  # its tau counts only the steps where a match was found
             head.append(f"n-gram lookup (no draft): **{ngram['tokens_per_step']:.2f}** tokens per target step")
         for name in ("vllm", "embedded"):
@@ -221,8 +222,8 @@ def compare_runs(roots: list[Path]) -> str:
                      per_position(live),
                      man.get("05", {}).get("seconds"),
                      round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None])
-        if ngram is None and "vllm n-gram (no draft)" in by:
-            ng = by["vllm n-gram (no draft)"]
+        if ngram is None and NGRAM in by:
+            ng = by[NGRAM]
             ngram = ["vLLM n-gram lookup (no draft)", None, None, None, ng["tau"], ng.get("tokens_per_step"),
                      per_position(ng), None, None]
     header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "tokens per step", "per position",

@@ -42,6 +42,7 @@ def _counters(llm: Any) -> dict[str, Any]:
 
 
 NGRAM_MAX, NGRAM_MIN = 4, 2  # n-gram lookup window: vLLM's documented example values
+NGRAM = "vllm n-gram (no draft)"  # the n-gram baseline's row in the evaluation's by_method and the report
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:

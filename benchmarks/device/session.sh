@@ -7,7 +7,7 @@
 #   launch   start the plan (STEPS, below) in the background and return
 #   poll     wait up to WAIT s (default 540) for the plan, refreshing $OUT every minute so a call cut short keeps
 #            what it had: the results' JSON, the runs' small files (runs.tgz) and the logs (logs.tgz)
-# STEPS (for launch; default "benchmarks scaling"), in order:
+# STEPS (for launch; default "recipe_ab"), in order:
 #   recipe      GPU 0: configs/smollm2-h200.yaml, stages 00-06 (issue 12) | GPU 1: the same data with the draft on
 #               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12)
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
@@ -18,16 +18,18 @@
 #               arms evaluated embedded (A/B, issue 12)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
 #               when missing), then extraction 1 vs 2 GPUs on disk and in /dev/shm (issue 10)
-# Measured 2026-11-29 on x2: copy + install ~2 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0); `scaling`
-# after it was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `benchmarks scaling`, not both.
+# Measured 2026-11-29 on x2: copy + install ~3 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0);
+# `benchmarks` 15 min; `scaling` on the small run: training 5 min, extraction in /dev/shm 2.5 min, the disk run
+# after them was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `benchmarks scaling`, not both.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
 RUN=${RUN:-smollm2-h200}
-STEPS=${STEPS:-benchmarks scaling}
-AB_PARAMS=${AB_PARAMS:--p train.num_layers=2}  # the A/B arm: stages 05-06 again on the same states
+STEPS=${STEPS:-recipe_ab}
+# the A/B arm: stages 05-06 again on the same states (measured: lr 1e-3 beat 5e-4; 2 draft layers +0.05 tau)
+AB_PARAMS=${AB_PARAMS:--p train.lr=0.002}
 SRUN=$RUN-small  # the small run: stage 02 in minutes instead of ~10, for the scaling step and the A/B arms
 SMALL=(-p "data.sources=[{kind: bundled, replies: 8}, {kind: self_instruct, limit: 4000}]")
 RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
