@@ -99,11 +99,13 @@ def save_table(dataset_dir: Path, input_ids: list[list[int]], loss_mask: list[li
 
 # ------------------------------------------------------------------------------------------------ capture loop
 class ShardWriter:
-    """Validates and writes shards on background threads; at most `depth` waiting. The first failure stops the run."""
+    """Validates and writes shards on background threads; at most `depth` waiting. The first failure stops the run.
+    `values_checked`: the backend's files were checked finite where they were made (see shards.adopt_shard)."""
 
     def __init__(self, dataset_dir: Path, input_ids: Mapping[int, list[int]], spec: shards.ShardSpec, threads: int,
-                 depth: int, on_written: ProgressFn | None = None):
+                 depth: int, on_written: ProgressFn | None = None, values_checked: bool = False):
         self.dataset_dir, self.input_ids, self.spec = dataset_dir, input_ids, spec
+        self.values_checked = values_checked
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-writer")
         self.slots = threading.BoundedSemaphore(depth)
         self.on_written = on_written
@@ -115,7 +117,7 @@ class ShardWriter:
         try:
             ids = torch.as_tensor(self.input_ids[row], dtype=torch.int64)
             if isinstance(states, Path):  # a finished shard file from the backend: checked, then renamed
-                shards.adopt_shard(self.dataset_dir, row, states, ids, self.spec)
+                shards.adopt_shard(self.dataset_dir, row, states, ids, self.spec, self.values_checked)
             else:
                 shards.write_shard(self.dataset_dir, row, ids, states, ids, self.spec)
             if self.on_written:
@@ -151,7 +153,8 @@ class ShardWriter:
 def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: Path, spec: shards.ShardSpec,
                  threads: int, depth: int, on_written: ProgressFn | None = None) -> int:
     """Run `rows` through `backend`, writing every shard; returns the number written. Every row must come back."""
-    writer = ShardWriter(dataset_dir, dict(rows), spec, threads, depth, on_written)
+    writer = ShardWriter(dataset_dir, dict(rows), spec, threads, depth, on_written,
+                         values_checked=getattr(backend, "values_checked", False))
     seen: set[int] = set()
     ok = False
     try:

@@ -82,13 +82,15 @@ def write_shard(dataset_dir: Path, index: int, token_ids: torch.Tensor, hidden_s
 
 
 def adopt_shard(dataset_dir: Path, index: int, src: Path, expected_ids: torch.Tensor | list[int] | None,
-                spec: ShardSpec) -> Path:
+                spec: ShardSpec, values_checked: bool = False) -> Path:
     """Validate a shard file another writer produced (vLLM's hidden-states connector writes the same two keys) and
     move it under its final name: the states reach the disk once instead of being read back and written again.
+    `values_checked`: the writer already refused NaN/inf (the capture worker checks on the GPU), so only the header
+    and the token ids are read here, not every state.
 
     `src` must be on the dataset's filesystem (a rename); an invalid file is deleted and stops the run like
     `write_shard` does, so nothing invalid ever carries a shard's name."""
-    found = check_shard_file(Path(src), expected_ids, spec)
+    found = (check_shard_header if values_checked else check_shard_file)(Path(src), expected_ids, spec)
     if found:
         Path(src).unlink(missing_ok=True)
         raise WorkbookError(f"sample {index}: refusing to adopt an invalid shard from {src}: " + "; ".join(found),

@@ -274,3 +274,35 @@ def test_data_parallel_processes_write_every_shard(tmp_path, tiny_llama_dir, tin
         assert got["token_ids"].tolist() == ids[i]
         ref = reference_states(tiny_model, torch.tensor([ids[i]]), LAYER_IDS)[0]
         torch.testing.assert_close(got["hidden_states"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_adopting_a_shard_file_checks_what_its_writer_did_not(tmp_path):
+    """A backend's finished file becomes a shard by a rename. A file whose writer already refused NaN/inf (the vLLM
+    capture worker checks on the device) is checked by header and token ids only; any other file is read in full.
+    Either way a wrong file is deleted and stops the run, and nothing invalid carries a shard's name."""
+    from safetensors.torch import save_file
+
+    spec = shards.ShardSpec(2, 4, torch.bfloat16)
+    ids = [3, 1, 4]
+    shards.shard_dir(tmp_path / "ds").mkdir(parents=True)
+
+    def spool(name: str, hs: torch.Tensor, toks: list[int] = ids) -> Path:
+        path = tmp_path / name
+        save_file({"hidden_states": hs, "token_ids": torch.tensor(toks)}, str(path))
+        return path
+
+    nan = torch.ones(3, 2, 4, dtype=torch.bfloat16)
+    nan[1, 0, 2] = float("nan")
+    with pytest.raises(WorkbookError, match="sample 0: refusing to adopt.*NaN or inf"):
+        shards.adopt_shard(tmp_path / "ds", 0, spool("a", nan), ids, spec)
+    assert not (tmp_path / "a").exists() and not shards.shard_path(tmp_path / "ds", 0).exists()
+    for values_checked in (False, True):
+        with pytest.raises(WorkbookError, match="token_ids differ"):
+            shards.adopt_shard(tmp_path / "ds", 1, spool("b", torch.ones(3, 2, 4, dtype=torch.bfloat16), [3, 1, 5]),
+                               ids, spec, values_checked)
+        with pytest.raises(WorkbookError, match=r"hidden_states (shape|dtype)"):
+            shards.adopt_shard(tmp_path / "ds", 1, spool("c", torch.ones(3, 2, 4)), ids, spec, values_checked)
+        assert not shards.shard_path(tmp_path / "ds", 1).exists()
+        good = shards.adopt_shard(tmp_path / "ds", 2, spool("d", torch.ones(3, 2, 4, dtype=torch.bfloat16)), ids,
+                                  spec, values_checked)
+        assert shards.check_shard_file(good, ids, spec) == [] and not (tmp_path / "d").exists()

@@ -231,16 +231,23 @@ def test_a_capture_writer_failure_reaches_the_driver_with_its_real_message(tmp_p
     from eagle3lib.backends.vllm_backend import wait_for_worker_file
     from eagle3lib.backends.vllm_worker import _write_request, file_layer_ids
 
+    ok = torch.ones(3, dtype=torch.bool)
     good = tmp_path / "7-abc.r0.safetensors"
-    _write_request([(torch.ones(3, 2, 4), None)], [5, 6, 7], [2, 30], good)
+    _write_request([(torch.ones(2, 2, 4), ok[:2], None), (torch.ones(1, 2, 4), ok[:1], None)], [5, 6, 7], [2, 30],
+                   good)
     wait_for_worker_file(0, str(good))
     assert file_layer_ids(good) == [2, 30]
     bad = tmp_path / "8-abc.r0.safetensors"
     with pytest.raises(TypeError):
-        _write_request([(torch.ones(3, 2, 4), None)], [5, None, 7], [2, 30], bad)  # a token id that is not an int
+        _write_request([(torch.ones(3, 2, 4), ok, None)], [5, None, 7], [2, 30], bad)  # a token id that is not an int
     assert not bad.exists() and not list(tmp_path.glob("*.tmp"))
     with pytest.raises(WorkbookError, match="(?s)row 4: the capture worker failed to write its states: .*TypeError"):
         wait_for_worker_file(4, str(bad), timeout_s=5)
+    nan = tmp_path / "9-abc.r0.safetensors"  # a state that is not finite is never written
+    with pytest.raises(ValueError):
+        _write_request([(torch.ones(3, 2, 4), torch.tensor([True, False, True]), None)], [5, 6, 7], [2, 30], nan)
+    with pytest.raises(WorkbookError, match=r"(?s)row 5: .*NaN or inf at token positions \[1\]"):
+        wait_for_worker_file(5, str(nan), timeout_s=5)
 
 
 # ---- SmolLM2: both strategies vs transformers -----------------------------------------------------------------------

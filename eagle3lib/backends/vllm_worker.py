@@ -61,7 +61,8 @@ class _Capture:
         self.order: list[tuple[str, int]] | None = None  # (req_id, n_tokens) of the step in flight
         self.buf: torch.Tensor | None = None  # [step_tokens, n_local, H] for the step in flight
         self.filled: set[int] = set()
-        self.chunks: dict[str, list[tuple[torch.Tensor, Any]]] = {}  # req_id -> [(host states, copy event)]
+        # req_id -> [(host states [n, n_local, H], host per-token "all finite" flags [n], copy event)]
+        self.chunks: dict[str, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {}
         self.captured: dict[str, int] = {}
         self.prompts: dict[str, list[int]] = {}
         self.files: dict[str, str] = {}  # req_id -> the path its writer writes (submitted, maybe not yet written)
@@ -252,22 +253,26 @@ class CaptureWorker:
                                "did not fire (a compiled or CUDA-graph model? the engine must run eager)")
         order = self._eagle3_order(cap)
         buf, event = cap.buf, None
+        finite = torch.isfinite(buf).all(dim=2).all(dim=1)  # [tokens]: checked where the states are (a GPU: ~free)
         if buf.is_cuda:
             host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+            host_finite = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
             cap.stream.wait_stream(torch.cuda.current_stream(buf.device))
             with torch.cuda.stream(cap.stream):
                 host.copy_(buf, non_blocking=True)
+                host_finite.copy_(finite, non_blocking=True)
             buf.record_stream(cap.stream)
+            finite.record_stream(cap.stream)
             event = torch.cuda.Event()
             event.record(cap.stream)
-            buf = host
+            buf, finite = host, host_finite
         start = 0
         for rid, n in order:
-            piece = buf[start:start + n]
+            piece, piece_finite = buf[start:start + n], finite[start:start + n]
             start += n
             if rid not in cap.prompts:
                 continue  # past its prompt: a decode token (an async scheduler may run one before it sees max_tokens)
-            cap.chunks.setdefault(rid, []).append((piece, event))
+            cap.chunks.setdefault(rid, []).append((piece, piece_finite, event))
             done = cap.captured.get(rid, 0) + n
             cap.captured[rid] = done
             if done >= len(cap.prompts[rid]):
@@ -280,7 +285,7 @@ class CaptureWorker:
             raise RuntimeError(f"capture worker: request {rid} ran {captured} tokens for a {len(prompt)}-token prompt "
                                "(preempted and recomputed, or decoded past its prompt?); lower "
                                "extract.vllm_request_tokens or raise gpu_memory_utilization")
-        nbytes = sum(c.numel() * c.element_size() for c, _ in chunks)
+        nbytes = sum(c.numel() * c.element_size() for c, _, _ in chunks)
         while cap.pending and sum(b for _, b in cap.pending) + nbytes > MAX_PENDING_BYTES:
             cap.pending.popleft()[0].exception()  # back-pressure: wait for the oldest write (a failure leaves .error)
         path = cap.spool / f"{rid}.r{cap.rank}.safetensors"
@@ -291,15 +296,22 @@ class CaptureWorker:
             cap.pending.popleft()
 
 
-def _write_request(chunks: list[tuple[torch.Tensor, Any]], prompt: list[int], local: list[int], path: Path) -> None:
-    """One request's states as a shard-shaped file (written under a temporary name, then renamed); on failure,
-    `<path>.error` holds the traceback, so the driver waiting for the file gets the real message."""
+def _write_request(chunks: list[tuple[torch.Tensor, torch.Tensor, Any]], prompt: list[int], local: list[int],
+                   path: Path) -> None:
+    """One request's states as a shard-shaped file (written under a temporary name, then renamed), refused when a
+    state is NaN or inf (the driver then checks only the header and token ids: no read-back of every file); on
+    failure, `<path>.error` holds the traceback, so the driver waiting for the file gets the real message."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        for _, event in chunks:
+        for _, _, event in chunks:
             if event is not None:
                 event.synchronize()
-        states = chunks[0][0] if len(chunks) == 1 else torch.cat([c for c, _ in chunks])
+        finite = torch.cat([f for _, f, _ in chunks])
+        if not bool(finite.all()):
+            bad = (~finite).nonzero().flatten()[:5].tolist()
+            raise ValueError(f"hidden states hold NaN or inf at token positions {bad} (layer ids {local}): "
+                             "refusing to write them")
+        states = chunks[0][0] if len(chunks) == 1 else torch.cat([c for c, _, _ in chunks])
         save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(prompt, dtype=torch.int64)},
                   str(tmp), metadata={LAYER_IDS_KEY: ",".join(map(str, local))})
         os.replace(tmp, path)
