@@ -47,11 +47,11 @@ run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
   CUDA_VISIBLE_DEVICES=$gpu timeout 1800 python3 -m eagle3lib.cli run --config "$CONFIG" "$@" > "$RES/$name.log" 2>&1
   echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
 
-# vLLM 0.26 on an H200 defaults to max_num_seqs 1024 and async scheduling, but captures CUDA graphs only up to 512
-# sequences: the variant runs every decode batch (up to 2048) as a graph
-bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/generate.py --config "$CONFIG" \
-  --prompts 2048 --max-new-tokens 192 --temperatures 0.7 \
-  --variants '{}' '{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}' \
+# the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults, session 3) as 1, 2
+# and 4 engines side by side on one GPU: does a small target's generation scale with engines (CPU-bound steps)?
+GEN_RECIPE='{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}'
+bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/generate.py --config "$CONFIG" \
+  --prompts 4096 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines 1 2 4 \
   --out "$RES/generate_h200.json" > "$RES/bench_generate.log" 2>&1; }
 bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/extract.py --backend vllm-all \
   --modes vllm-prefill,vllm-native,vllm-worker --multiprocess --timeout 190 \
