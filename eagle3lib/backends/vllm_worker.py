@@ -91,9 +91,11 @@ class CaptureWorker:
         """The files of these finished requests as {"rank", "files": {req_id: path}} (maybe still being written:
         the driver waits for `path` or `path.error`), or {"error": ...} with any hook traceback."""
         try:
-            cap: _Capture | None = getattr(self, "_eagle3_cap", None)
-            if cap is None:
+            if not hasattr(self, "_eagle3_cap"):
                 return {"rank": self._eagle3_rank(), "error": "eagle3_pop before eagle3_install: no capture installed"}
+            cap: _Capture | None = self._eagle3_cap
+            if cap is None:
+                return {"rank": self._eagle3_rank(), "files": {}}  # a rank that does not record (TP rank > 0)
             files = {rid: cap.files.pop(rid) for rid in list(cap.files) if _matches(rid, req_ids)}
             unfinished = {r: (cap.captured.get(r, 0), len(cap.prompts.get(r, ())))
                           for r in list(cap.chunks) if _matches(r, req_ids)}
@@ -159,7 +161,8 @@ class CaptureWorker:
         result = {"rank": self._eagle3_rank(), "layers": local, "writes": writes, "num_layers": n,
                   "adapter": adapter.name, "pid": os.getpid()}
         if not writes:
-            return result  # another TP rank records the same states
+            self._eagle3_cap = None  # another TP rank records the same states: pop answers {} here
+            return result
         spool.mkdir(parents=True, exist_ok=True)
         cap = _Capture(local, DTYPES[dtype], spool, writer_threads, self._eagle3_rank())
         for k in local:
