@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from eagle3lib.backends.adapters import Adapter, check_cpu_support, select_adapter
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
-from eagle3lib.shards import DTYPES
+from eagle3lib.shards import DTYPES, SAFETENSORS_DTYPES
 from eagle3lib.target import read_hf_config
 
 WORKER_EXTENSION = "eagle3lib.backends.vllm_worker.CaptureWorker"
@@ -230,10 +232,6 @@ def expect_replies(replies: Any, n_workers: int, what: str) -> list[dict[str, An
 
 def file_dtype(path: str | Path) -> torch.dtype | None:
     """The dtype of a states file's hidden_states, read from its header only."""
-    from safetensors import safe_open
-
-    from eagle3lib.shards import SAFETENSORS_DTYPES
-
     with safe_open(str(path), framework="pt") as f:
         if "hidden_states" not in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             return None
@@ -245,8 +243,6 @@ def hand_on(row: int, token_ids: list[int], path: str | Path, dtype: torch.dtype
     """A states file ({hidden_states [T, n_slots, H], token_ids}, the shard's own keys) as the capture loop takes it:
     in the storage dtype, the Path itself (the shard writer checks it and renames it into the dataset: the states
     reach the disk once); in another dtype (the CPU computes fp32), read, checked, converted, deleted."""
-    from safetensors.torch import load_file
-
     if file_dtype(path) == dtype:
         stats["adopted"] += 1
         return Path(path)
@@ -375,8 +371,6 @@ class VllmWorkerBackend:
 
     def _merge(self, row: int, token_ids: list[int], found: dict[str, list[int]]) -> torch.Tensor:
         """One file per pipeline stage (each holds its own layers): read, put in layer order, delete."""
-        from safetensors.torch import load_file
-
         slots: dict[int, torch.Tensor] = {}
         for path, ks in found.items():
             data = load_file(path, device="cpu")
