@@ -137,16 +137,18 @@ class ShardWriter:
         self.futures.append(fut)
 
     def _done(self, fut: Future) -> None:
-        if fut.exception() is not None and self.error is None:
+        if not fut.cancelled() and fut.exception() is not None and self.error is None:
             self.error = fut.exception()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def close(self, wait: bool = True) -> None:
-        self.pool.shutdown(wait=wait, cancel_futures=not wait)
-        if wait:
+    def close(self, failed: bool = False) -> None:
+        """Waits for the writes already running (so no temp file is still being written when an error reaches the
+        user); after a failure, the ones still queued are dropped instead of written."""
+        self.pool.shutdown(wait=True, cancel_futures=failed)
+        if not failed:
             self.raise_if_failed()
 
 
@@ -163,7 +165,7 @@ def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: P
             writer.submit(row, states)
         ok = True
     finally:
-        writer.close(wait=ok)
+        writer.close(failed=not ok)
     missing = {r for r, _ in rows} - seen
     if missing:
         raise WorkbookError(f"the capture backend returned no states for {len(missing)} rows (e.g. {sorted(missing)[:5]})",
