@@ -343,12 +343,12 @@ class VllmWorkerBackend:
 
     def _assemble(self, batch: list[tuple[int, list[int]]], ids: list[str],
                   replies: list[dict[str, Any]]) -> Iterator[tuple[int, torch.Tensor | Path]]:
-        from eagle3lib.backends.vllm_worker import file_layer_ids
+        from eagle3lib.backends.vllm_worker import external_id, file_layer_ids
 
         files: dict[str, list[str]] = {}
         for reply in replies:
             for internal, path in reply.get("files", {}).items():
-                external = next((e for e in ids if internal == e or internal.startswith(e + "-")), None)
+                external = external_id(internal, ids)
                 if external is None:
                     raise WorkbookError(f"capture worker returned states for unknown request {internal!r}",
                                         "report this as a bug: requests and captures are out of step")

@@ -96,9 +96,9 @@ class CaptureWorker:
             cap: _Capture | None = self._eagle3_cap
             if cap is None:
                 return {"rank": self._eagle3_rank(), "files": {}}  # a rank that does not record (TP rank > 0)
-            files = {rid: cap.files.pop(rid) for rid in list(cap.files) if _matches(rid, req_ids)}
+            files = {rid: cap.files.pop(rid) for rid in list(cap.files) if external_id(rid, req_ids) is not None}
             unfinished = {r: (cap.captured.get(r, 0), len(cap.prompts.get(r, ())))
-                          for r in list(cap.chunks) if _matches(r, req_ids)}
+                          for r in list(cap.chunks) if external_id(r, req_ids) is not None}
             for rid in unfinished:
                 cap.chunks.pop(rid, None)
                 cap.captured.pop(rid, None)
@@ -335,6 +335,7 @@ def file_layer_ids(path: str | Path) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _matches(internal_id: str, external_ids: list[str]) -> bool:
-    """vLLM 0.32 runs request '7' as '7-<8 hex>' internally; older versions keep the id as given."""
-    return any(internal_id == e or internal_id.startswith(e + "-") for e in external_ids)
+def external_id(internal_id: str, external_ids: list[str]) -> str | None:
+    """Which of our request ids vLLM ran as `internal_id` (None: none of them). vLLM 0.32 runs request '7' as
+    '7-<8 hex>' internally; older versions keep the id as given."""
+    return next((e for e in external_ids if internal_id == e or internal_id.startswith(e + "-")), None)
