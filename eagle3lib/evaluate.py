@@ -167,14 +167,14 @@ def load_target(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
 def embedded_one(target: Any, draft: Any, prompt: list[int], k: int, max_new_tokens: int,
                  eos: list[int]) -> dict[str, Any]:
     """One held-out prompt: the target's plain greedy output (reference and baseline speed), then the speculative
-    decoder's, batch 1 both."""
-    from eagle3lib.speculative import greedy_generate, speculative_generate
+    decoder's, batch 1 both; where they differ, whether they first differ at a rounding tie (`first_divergence`)."""
+    from eagle3lib.speculative import first_divergence, greedy_generate, speculative_generate
 
     ref, base_s = greedy_generate(target, prompt, max_new_tokens, eos_token_id=eos or None)
     r = speculative_generate(target, draft, prompt, k, max_new_tokens, eos_token_id=eos or None)
     return {"prompt_len": len(prompt), "ref": ref, "base_s": base_s, "output_ids": r.output_ids,
             "verified_ids": r.verified_ids, "spec_s": r.seconds, "forwards": r.target_forwards,
-            "acceptance": r.acceptance.to_dict()}
+            "acceptance": r.acceptance.to_dict(), "divergence": first_divergence(target, prompt, ref, r.output_ids)}
 
 
 _WORKER: dict[str, Any] = {}
@@ -232,7 +232,7 @@ def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_
         identical += int(r["output_ids"] == r["ref"])
         per_prompt[i] = {"prompt_len": r["prompt_len"], "output_ids": r["output_ids"],
                          "verified_ids": r["verified_ids"], "identical": r["output_ids"] == r["ref"],
-                         "acceptance": r["acceptance"]}
+                         "divergence": r["divergence"], "acceptance": r["acceptance"]}
         bar.update(1)
         bar.set_postfix(tau=f"{acc.tau:.2f}", spec_tok_s=f"{spec_tok / max(spec_s, 1e-9):.0f}",
                         base_tok_s=f"{base_tok / max(base_s, 1e-9):.0f}")
@@ -254,7 +254,9 @@ def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_
             add(i, embedded_one(target, draft, p, k, max_new_tokens, eos))
     bar.close()
     outputs = [r["output_ids"] for r in per_prompt]  # type: ignore[index]
+    ties = sum(bool(r["divergence"] and r["divergence"]["tie"]) for r in per_prompt)  # type: ignore[index]
     return {"acceptance": with_tokens_per_step(acc.to_dict(), outputs), "identical": identical, "prompts": len(prompts),
+            "differ_at_a_tie": ties, "differ_otherwise": len(prompts) - identical - ties,
             "spec_tokens_per_s": spec_tok / spec_s if spec_s else None,
             "baseline_tokens_per_s": base_tok / base_s if base_s else None,
             "speedup": (spec_tok / spec_s) / (base_tok / base_s) if spec_s and base_s and base_tok else None,

@@ -52,6 +52,30 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _divergence_lines(results: dict[str, Any]) -> list[str]:
+    """Why the embedded decoder's outputs differ from the target alone, where they do: each first difference was
+    checked against the target's logits (speculative.first_divergence)."""
+    emb = results.get("embedded") or {}
+    differ = (emb.get("prompts") or 0) - (emb.get("identical") or 0)
+    if not emb or differ <= 0:
+        return []
+    dtype = str(results.get("dtype")).removeprefix("torch.")
+    ties, otherwise = emb.get("differ_at_a_tie"), emb.get("differ_otherwise")
+    exact = dtype == "float32"
+    line = "" if exact else (f"In {dtype}, greedy decoding depends on the kernels: verifying k+1 tokens in one "
+                             "forward rounds differently from one token at a time, and a near-tie can then flip. ")
+    if ties is not None:
+        line += (f"Of the {differ} embedded outputs that differ from the target alone, **{ties} first differ at a "
+                 "rounding tie** (both tokens within rounding of the target's top logit there)")
+        line += "." if not otherwise else (f"; **{otherwise} do not: there the target does not rank the decoder's "
+                                           "token near the top, which is a decoder bug, not rounding** (see "
+                                           "`divergence` per prompt in eval/results.json).")
+    other = (results.get("vllm") or {}).get("identical_to_embedded")
+    if other is not None:
+        line += f" vLLM's plain greedy and the embedded decoder agree on {other}/{emb.get('prompts')} prompts."
+    return [line + ("" if exact else " The decoder is exact in float32 (tests/test_evaluate.py)."), ""]
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
@@ -167,14 +191,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         if rows:
             out += ["Speed (generated tokens/s, greedy, same prompts; embedded is batch 1, vLLM batches them all):",
                     "", _table(["engine", "target alone", "with draft", "speedup", "identical outputs"], rows), ""]
-            emb = results.get("embedded") or {}
-            if "float32" not in str(results.get("dtype")) and emb and emb.get("identical") != emb.get("prompts"):
-                other = (results.get("vllm") or {}).get("identical_to_embedded")
-                out += [f"In {str(results.get('dtype')).removeprefix('torch.')}, greedy decoding depends on the kernels: "
-                        "verifying k+1 tokens in one forward rounds differently from one token at a time, and a "
-                        "near-tie can then flip" + (f" (vLLM's plain greedy and the embedded decoder agree on {other}/"
-                                                 f"{emb.get('prompts')} prompts here)" if other is not None else "")
-                        + ". The decoder is exact in float32 (tests/test_evaluate.py).", ""]
+            out += _divergence_lines(results)
         figs = sorted(rd.path("figures").glob("06_*.png"))
         out += [f"![{f.stem}](figures/{f.name})" for f in figs]
         out.append("")

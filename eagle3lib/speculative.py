@@ -25,6 +25,7 @@ How speculators' Eagle3DraftModel is driven (read from speculators/models/eagle3
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -312,6 +313,36 @@ def greedy_generate(target: Any, prompt_ids: Sequence[int], max_new_tokens: int,
                           max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad,
                           temperature=None, top_p=None, top_k=None, repetition_penalty=None)
     return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def first_divergence(target: Any, prompt_ids: Sequence[int], reference: Sequence[int],
+                     other: Sequence[int]) -> dict[str, Any] | None:
+    """Where two greedy outputs of the same prompt first differ, and whether the target's logits there are a rounding
+    tie: None when they are equal.
+
+    Why: in bf16 the decoder's verify forward (k+1 tokens) rounds differently from generate()'s one-token forward, so
+    a near-tie between the two best tokens can flip, and from there the outputs go their own ways (measured on
+    SmolLM2 in bf16 on the CPU: 6 of 8 outputs differed, each first at a logit gap of 0 or 1 bf16 step between the
+    two best tokens). A decoder bug instead shows as a token the target does not rank near the top. One target forward
+    over the shared prefix tells the two apart: `tie` is true when both tokens are within `tolerance` of the top logit:
+    two rounding steps of the weights' dtype at that magnitude (bf16: 0.125 at 16-32), or 0.1% of it in float32, where
+    the differences that add up over the layers are far larger than one step of the last rounding.
+    """
+    d = next((i for i, (a, b) in enumerate(zip(reference, other, strict=False)) if a != b), None)
+    if d is None:
+        if len(reference) == len(other):
+            return None
+        d = min(len(reference), len(other))  # one ended (EOS) where the other went on
+    dev = next(target.parameters()).device
+    logits = target(input_ids=torch.tensor([[*prompt_ids, *reference[:d]]], device=dev)).logits[0, -1].float()
+    top = float(logits.max())
+    step = torch.finfo(target.get_output_embeddings().weight.dtype).eps * 2.0 ** math.floor(math.log2(abs(top) or 1.0))
+    tolerance = max(2 * step, 1e-3 * abs(top))
+    tokens = [reference[d] if d < len(reference) else None, other[d] if d < len(other) else None]
+    gaps = [top - float(logits[t]) if t is not None else None for t in tokens]
+    return {"position": d, "tokens": tokens, "gaps_to_top": [round(g, 5) if g is not None else None for g in gaps],
+            "tolerance": tolerance, "tie": all(g is not None and g <= tolerance for g in gaps)}
 
 
 # ------------------------------------------------------------------------------------- offline (teacher-forced)

@@ -198,6 +198,54 @@ def test_embedded_decoder_is_lossless_on_the_tiny_target(tiny_target, untrained_
     assert got.output_ids == ref_eos and got.output_ids[-1] == eos
 
 
+def test_in_bf16_the_decoder_differs_only_at_rounding_ties_and_a_low_ranked_token_is_no_tie(tiny_llama_dir,
+                                                                                            trained_draft_dir):
+    """In bf16 the verify forward rounds differently from generate()'s one-token forward, so outputs may part at a
+    near-tie; `first_divergence` must call every such place a tie, and must not call a token the target ranks low one
+    (what a decoder bug would produce)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3lib.speculative import first_divergence, greedy_generate, load_draft, speculative_generate
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    draft = load_draft(trained_draft_dir, dtype=torch.bfloat16)
+    prompts = torch.randint(0, 512, (12, 9), generator=torch.Generator().manual_seed(3)).tolist()
+    differ = 0
+    for prompt in prompts:
+        ref, _ = greedy_generate(target, prompt, 32)
+        got = speculative_generate(target, draft, prompt, 3, 32).output_ids
+        div = first_divergence(target, prompt, ref, got)
+        if got == ref:
+            assert div is None
+            continue
+        differ += 1
+        assert div["tie"] and div["tokens"] == [ref[div["position"]], got[div["position"]]], div
+    print(f"{differ}/{len(prompts)} bf16 outputs differ, each first at a rounding tie")
+
+    prompt, ref = prompts[0], greedy_generate(target, prompts[0], 32)[0]
+    d = len(ref) // 2
+    with torch.inference_mode():
+        worst = int(target(input_ids=torch.tensor([prompt + ref[:d]])).logits[0, -1].argmin())
+    div = first_divergence(target, prompt, ref, ref[:d] + [worst] + ref[d + 1:])
+    assert div["position"] == d and not div["tie"] and div["gaps_to_top"][1] > 10 * div["tolerance"], div
+    div = first_divergence(target, prompt, ref, ref[:d])  # one stopped (EOS) where the other went on
+    assert div["position"] == d and div["tokens"] == [ref[d], None] and not div["tie"]
+
+
+def test_the_report_card_says_when_an_output_differs_other_than_at_a_rounding_tie():
+    from eagle3lib.report import _divergence_lines
+
+    results = {"dtype": "torch.bfloat16", "embedded": {"prompts": 8, "identical": 2, "differ_at_a_tie": 6,
+                                                       "differ_otherwise": 0}}
+    text = " ".join(_divergence_lines(results))
+    assert "Of the 6 embedded outputs that differ" in text and "6 first differ at a rounding tie" in text
+    assert "decoder bug" not in text
+    results["embedded"].update(differ_at_a_tie=5, differ_otherwise=1)
+    assert "1 do not" in " ".join(_divergence_lines(results)) and "decoder bug" in " ".join(_divergence_lines(results))
+    results["embedded"].update(identical=8, differ_at_a_tie=0, differ_otherwise=0)
+    assert _divergence_lines(results) == []
+
+
 def test_embedded_decoder_in_two_processes_gives_the_same_results(tiny_target, tiny_llama_dir, trained_draft_dir,
                                                                    train_prompts):
     """On a GPU the embedded decoder spreads prompts over processes (batch 1 is launch-bound there); the results,
@@ -354,6 +402,7 @@ def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, t
     assert (rd.path("notebooks") / "06_evaluate_acceptance.ipynb").is_file()
     results = json.loads(rd.path("eval", "results.json").read_text())
     assert results["embedded"]["identical"] == results["embedded"]["prompts"] == 4
+    assert (results["embedded"]["differ_at_a_tie"], results["embedded"]["differ_otherwise"]) == (0, 0)
     manifest = json.loads(rd.manifest_path(get_stage("06")).read_text())
     assert set(manifest["metrics"]["tau"]) >= {"embedded", "offline (validation rows)",
                                                "offline (held-out, decoder path)"}
