@@ -543,7 +543,9 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
             return {**{key: v for key, v in emb.items() if key != "per_prompt"},
                     "outputs": [r["output_ids"] for r in emb["per_prompt"]],
                     "verified": [r["verified_ids"] for r in emb["per_prompt"]],
-                    "acceptances": [r["acceptance"] for r in emb["per_prompt"]]}
+                    "acceptances": [r["acceptance"] for r in emb["per_prompt"]],
+                    "divergences": [{"prompt": i, **r["divergence"]} for i, r in enumerate(emb["per_prompt"])
+                                    if r["divergence"]]}
 
         emb = done.run("embedded", embedded, results)
         results["embedded"] = {key: v for key, v in emb.items() if key not in ("outputs", "verified", "acceptances")}

@@ -69,7 +69,7 @@ def _divergence_lines(results: dict[str, Any]) -> list[str]:
                  "rounding tie** (both tokens within rounding of the target's top logit there)")
         line += "." if not otherwise else (f"; **{otherwise} do not: there the target does not rank the decoder's "
                                            "token near the top, which is a decoder bug, not rounding** (see "
-                                           "`divergence` per prompt in eval/results.json).")
+                                           "`embedded.divergences` in eval/results.json).")
     other = (results.get("vllm") or {}).get("identical_to_embedded")
     if other is not None:
         line += f" vLLM's plain greedy and the embedded decoder agree on {other}/{emb.get('prompts')} prompts."

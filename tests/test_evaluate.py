@@ -403,6 +403,7 @@ def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, t
     results = json.loads(rd.path("eval", "results.json").read_text())
     assert results["embedded"]["identical"] == results["embedded"]["prompts"] == 4
     assert (results["embedded"]["differ_at_a_tie"], results["embedded"]["differ_otherwise"]) == (0, 0)
+    assert results["embedded"]["divergences"] == []
     manifest = json.loads(rd.manifest_path(get_stage("06")).read_text())
     assert set(manifest["metrics"]["tau"]) >= {"embedded", "offline (validation rows)",
                                                "offline (held-out, decoder path)"}
