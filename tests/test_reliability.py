@@ -191,7 +191,7 @@ class DiskFillsAfter:
 
         self.calls += 1
         if self.full and self.calls > self.k:
-            time.sleep(1.0)  # a slow failing write: the next one is still running when the error reaches the driver
+            time.sleep(1.0)  # slow failing writes: one taken up next may still run when the error reaches us
             self.real(tensors, filename, metadata)
             data = Path(filename).read_bytes()
             Path(filename).write_bytes(data[: len(data) // 2])
