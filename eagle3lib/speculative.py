@@ -334,10 +334,10 @@ def first_divergence(target: Any, prompt_ids: Sequence[int], reference: Sequence
         if len(reference) == len(other):
             return None
         d = min(len(reference), len(other))  # one ended (EOS) where the other went on
-    dev = next(target.parameters()).device
-    logits = target(input_ids=torch.tensor([[*prompt_ids, *reference[:d]]], device=dev)).logits[0, -1].float()
+    weight = next(target.parameters())
+    logits = target(input_ids=torch.tensor([[*prompt_ids, *reference[:d]]], device=weight.device)).logits[0, -1].float()
     top = float(logits.max())
-    step = torch.finfo(target.get_output_embeddings().weight.dtype).eps * 2.0 ** math.floor(math.log2(abs(top) or 1.0))
+    step = torch.finfo(weight.dtype).eps * 2.0 ** math.floor(math.log2(abs(top) or 1.0))
     tolerance = max(2 * step, 1e-3 * abs(top))
     tokens = [reference[d] if d < len(reference) else None, other[d] if d < len(other) else None]
     gaps = [top - float(logits[t]) if t is not None else None for t in tokens]
