@@ -227,7 +227,7 @@ def test_in_bf16_the_decoder_differs_only_at_rounding_ties_and_a_low_ranked_toke
     with torch.inference_mode():
         worst = int(target(input_ids=torch.tensor([prompt + ref[:d]])).logits[0, -1].argmin())
     div = first_divergence(target, prompt, ref, ref[:d] + [worst] + ref[d + 1:])
-    assert div["position"] == d and not div["tie"] and div["gaps_to_top"][1] > 10 * div["tolerance"], div
+    assert div["position"] == d and not div["tie"] and div["gaps_to_top"][1] > 5 * div["tolerance"], div
     div = first_divergence(target, prompt, ref, ref[:d])  # one stopped (EOS) where the other went on
     assert div["position"] == d and div["tokens"] == [ref[d], None] and not div["tie"]
 
