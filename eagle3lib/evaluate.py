@@ -254,9 +254,11 @@ def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_
             add(i, embedded_one(target, draft, p, k, max_new_tokens, eos))
     bar.close()
     outputs = [r["output_ids"] for r in per_prompt]  # type: ignore[index]
-    ties = sum(bool(r["divergence"] and r["divergence"]["tie"]) for r in per_prompt)  # type: ignore[index]
+    divergences = [{"prompt": i, **r["divergence"]}  # type: ignore[index]
+                   for i, r in enumerate(per_prompt) if r["divergence"]]  # type: ignore[index]
+    ties = sum(d["tie"] for d in divergences)
     return {"acceptance": with_tokens_per_step(acc.to_dict(), outputs), "identical": identical, "prompts": len(prompts),
-            "differ_at_a_tie": ties, "differ_otherwise": len(prompts) - identical - ties,
+            "differ_at_a_tie": ties, "differ_otherwise": len(divergences) - ties, "divergences": divergences,
             "spec_tokens_per_s": spec_tok / spec_s if spec_s else None,
             "baseline_tokens_per_s": base_tok / base_s if base_s else None,
             "speedup": (spec_tok / spec_s) / (base_tok / base_s) if spec_s and base_s and base_tok else None,
@@ -543,9 +545,7 @@ def evaluate(stage: StageRun, progress: bool = True) -> dict[str, Any]:
             return {**{key: v for key, v in emb.items() if key != "per_prompt"},
                     "outputs": [r["output_ids"] for r in emb["per_prompt"]],
                     "verified": [r["verified_ids"] for r in emb["per_prompt"]],
-                    "acceptances": [r["acceptance"] for r in emb["per_prompt"]],
-                    "divergences": [{"prompt": i, **r["divergence"]} for i, r in enumerate(emb["per_prompt"])
-                                    if r["divergence"]]}
+                    "acceptances": [r["acceptance"] for r in emb["per_prompt"]]}
 
         emb = done.run("embedded", embedded, results)
         results["embedded"] = {key: v for key, v in emb.items() if key not in ("outputs", "verified", "acceptances")}
