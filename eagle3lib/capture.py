@@ -111,7 +111,6 @@ class ShardWriter:
         self.on_written = on_written
         self.error: BaseException | None = None
         self.lock = threading.Lock()
-        self.futures: list[Future] = []
 
     def _write(self, row: int, states: torch.Tensor | Path) -> None:
         try:
@@ -134,7 +133,6 @@ class ShardWriter:
         self.slots.acquire()
         fut = self.pool.submit(self._write, row, states)
         fut.add_done_callback(self._done)
-        self.futures.append(fut)
 
     def _done(self, fut: Future) -> None:
         if not fut.cancelled() and fut.exception() is not None and self.error is None:

@@ -263,13 +263,13 @@ def probe_hidden_states_connector(cls: Any) -> str | None:
     the detail says why it is the slow one."""
     import torch
 
-    from eagle3lib.compat.cpu_hidden_states_connector import _connector_class, connector_write_probe
+    from eagle3lib.compat import cpu_hidden_states_connector as fallback
 
-    ok, detail = connector_write_probe()
+    ok, detail = fallback.connector_write_probe()
     if ok:
         return detail
     if torch.cuda.is_available():
-        ok2, detail2 = connector_write_probe(_connector_class())
+        ok2, detail2 = fallback.connector_write_probe(fallback.CPUHiddenStatesConnector)
         if ok2:
             return f"upstream fails here ({detail}); stage 02 falls back to the synchronous class: {detail2}"
     raise ContractMismatch(detail)
