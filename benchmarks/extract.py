@@ -2,7 +2,7 @@
 
 In ONE run, on the available device (CUDA if present, else CPU), over the same rows and the same batches:
   bare   = the transformers backend's forward with the aux states gathered into the GPU buffer, nothing copied out;
-  e2e    = `eagle3lib.capture.extract` end to end: forward, copies to pinned host memory overlapped with the next
+  e2e    = `eagle3lib.extract.capture.extract` end to end: forward, copies to pinned host memory overlapped with the next
            forward, every shard validated and written to disk on background threads, the dataset table saved.
 It prints both in tokens/s and their ratio (goal on an H200 with the Llama-3.1-8B shape: >= 0.90) and writes JSON.
 
@@ -31,9 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3lib import capture, shards  # noqa: E402
-from eagle3lib.backends.transformers_backend import TransformersBackend, plan_batches  # noqa: E402
+from eagle3lib import shards  # noqa: E402
 from eagle3lib.config import load_config  # noqa: E402
+from eagle3lib.extract import capture  # noqa: E402
+from eagle3lib.extract.backends.transformers_backend import TransformersBackend, plan_batches  # noqa: E402
 
 LLAMA_31_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 TINY = dict(layers=4, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=1024)
@@ -172,7 +173,7 @@ def main() -> None:
 # the same prompts, each mode in a fresh process (a clean GPU each time):
 #   vllm-prefill = vLLM prefill alone (max_tokens=1, nothing captured): the ceiling;
 #   vllm-native  = the workbook's vLLM backend, strategy native (extract_hidden_states + connector), end to end
-#                  through eagle3lib.capture.extract: every shard validated and on disk;
+#                  through eagle3lib.extract.capture.extract: every shard validated and on disk;
 #   vllm-worker  = the same with strategy worker (the workbook's capture worker).
 # Goal: native and worker >= 0.95 x prefill tokens/s.
 #
@@ -227,11 +228,11 @@ def _vllm_setup(args: argparse.Namespace, work: Path) -> tuple[Any, Path, list[i
 
 def vllm_one(args: argparse.Namespace) -> dict:
     """One mode, in this process: engine start, a warm-up, then the timed run."""
-    from eagle3lib.backends.adapters import select_adapter
-    from eagle3lib.backends.vllm_backend import (
+    from eagle3lib.extract.backends import make_vllm_backend
+    from eagle3lib.extract.backends.adapters import select_adapter
+    from eagle3lib.extract.backends.vllm_engine import (
         engine_kwargs,
         generate,
-        make_vllm_backend,
         prepare_environment,
         start_engine,
         stop_engine,

@@ -4,7 +4,7 @@ Why: on the H200 the recipe's self-distillation ran at ~20k tokens/s and self-in
 (benchmarks/results/recipe_h200.json), a small fraction of what the GPU can do, and generation is most of stage 02's
 time. Which setting helps (batch size, CUDA-graph capture sizes, async scheduling) is measured here, not guessed:
 each variant of `data.gen_vllm_args` runs in its own process (a fresh engine, GPU memory freed between) through the
-workbook's own generator (eagle3lib.generators.VllmGenerator), on the same prompts, greedy and sampled.
+workbook's own generator (eagle3lib.extract.generators.VllmGenerator), on the same prompts, greedy and sampled.
 
 `--engines N` runs every variant as N engines side by side on the same GPU, each with 1/N of the memory share and
 of the prompts, started together and generating from the same moment (a file barrier once all are up); tokens/s is
@@ -42,9 +42,9 @@ def log(msg: str) -> None:
 
 
 def prompts(tok: Any, n: int) -> list[str]:
-    from eagle3lib import data
+    from eagle3lib.extract import prepare
 
-    recs = data.read_jsonl(data.bundled_prompts_path())
+    recs = prepare.read_jsonl(prepare.bundled_prompts_path())
     out = []
     for i in range(n):
         msgs = [dict(m) for m in recs[i % len(recs)]["messages"] if m["role"] != "assistant"][:1]
@@ -57,9 +57,8 @@ def prompts(tok: Any, n: int) -> list[str]:
 def one(args: argparse.Namespace) -> dict[str, Any]:
     """One variant in this process: engine start, then each temperature over every prompt."""
     from eagle3lib.config import load_config
-    from eagle3lib.data import load_tokenizer
-    from eagle3lib.generators import VllmGenerator
-    from eagle3lib.target import resolve_model_path
+    from eagle3lib.extract.generators import VllmGenerator
+    from eagle3lib.target import load_tokenizer, resolve_model_path
 
     variant = json.loads(args.one)
     index, n = args.share  # this engine answers prompts index, index + n, ...
@@ -69,7 +68,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
                                     f"extract.gpu_memory_utilization={base.extract.gpu_memory_utilization / n}",
                                     *args.param])
     model_dir = resolve_model_path(cfg.target)
-    tok = load_tokenizer(cfg, model_dir)
+    tok = load_tokenizer(cfg.target, model_dir)
     texts = prompts(tok, args.prompts)[index::n]
     gen = VllmGenerator(cfg, model_dir, tok)
     res: dict[str, Any] = {"variant": variant, "prompts": len(texts), "max_new_tokens": args.max_new_tokens}

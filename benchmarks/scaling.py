@@ -35,8 +35,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eagle3lib import capture, shards  # noqa: E402
+from eagle3lib import shards  # noqa: E402
 from eagle3lib.config import load_config  # noqa: E402
+from eagle3lib.extract import capture  # noqa: E402
 
 LLAMA_31_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 TINY = dict(layers=4, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=1024)
@@ -123,6 +124,7 @@ def cmd_extract(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     from eagle3lib.config import load_config as load
     from eagle3lib.rundir import fork_run, run_root
+    from eagle3lib.train import launch_command
 
     cfg = load(args.config, [f"run.name={args.run}", *args.param])
     src = run_root(cfg)
@@ -132,9 +134,8 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
     for k in (1, args.gpus):
         name = f"{args.run}-scale{k}"
         dst = fork_run(src, src.parent / name)
-        cmd = ["torchrun", f"--nproc-per-node={k}", "-m", "eagle3lib.train", "--config", args.config, "--run-name", name,
-               "-p", "train.epochs=1", "-p", f"train.max_steps={args.steps}", "-p", "train.val_every=1",
-               "--no-manifest", *[w for kv in args.param for w in ("-p", kv)]]
+        cmd = launch_command(args.config, name, ["train.epochs=1", f"train.max_steps={args.steps}", "train.val_every=1",
+                                                 *args.param], k) + ["--no-manifest"]
         log(" ".join(cmd))
         t = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=REPO)

@@ -91,7 +91,7 @@ def write_run(work: Path, sz: dict[str, Any], args: argparse.Namespace, gen_devi
 
     from eagle3lib import shards, verifier
     from eagle3lib.config import load_config
-    from eagle3lib.rundir import RunDir, StageRun
+    from eagle3lib.rundir import RunDir, StageResult, StageRun
     from eagle3lib.stages import get_stage
 
     target = write_target(work / "target", sz, gen_device)
@@ -138,9 +138,9 @@ def write_run(work: Path, sz: dict[str, Any], args: argparse.Namespace, gen_devi
     vt, _ = verifier.extract_verifier(target, rd.path("verifier"))
     dv = verifier.make_draft_vocab(freq, sz["draft_vocab"], sz["vocab"])
     paths = verifier.write_draft_vocab(dv, rd.path("draft_vocab"))
-    StageRun(get_stage("04"), cfg, rd).finish(
+    StageRun(get_stage("04"), cfg, rd).finish(StageResult(
         outputs={"verifier_dir": rd.path("verifier"), "t2d": paths["t2d"], "d2t": paths["d2t"]},
-        metrics={"draft_vocab_size": dv.k, "coverage": None, "tied": vt.tied, "target_vocab_size": sz["vocab"]})
+        metrics={"draft_vocab_size": dv.k, "coverage": None, "tied": vt.tied, "target_vocab_size": sz["vocab"]}))
     log(f"wrote {n} shards ({bytes_ / 1e9:.2f} GB) in {gen_s:.1f} s; page cache "
         f"{'kept' if args.warm_cache else 'dropped'}")
     return cfg, rd, {"shards": n, "shard_bytes": bytes_, "write_s": round(gen_s, 2)}
@@ -182,8 +182,9 @@ def bench_bare(rd, cfg, sz: dict[str, Any], res, device: str) -> dict[str, Any]:
     from speculators.train.trainer import Trainer, TrainerConfig
 
     from eagle3lib import train
+    from eagle3lib.train import speculators_glue
 
-    train._ensure_cpu_patch(res.device)
+    speculators_glue.ensure_cpu_patch(res.device)
     if res.device == "cpu":
         warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     torch.manual_seed(0)
@@ -203,8 +204,8 @@ def bench_bare(rd, cfg, sz: dict[str, Any], res, device: str) -> dict[str, Any]:
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with train._quiet_speculators_bars_and_capture():
-        with train.fused_adamw(res.device):  # as the stage does
+    with speculators_glue.quiet_bars_and_capture():
+        with speculators_glue.fused_adamw(res.device):  # as the stage does
             trainer = Trainer(model, tconf, batches, None)  # type: ignore[arg-type]
         fused = [g.get("fused") for opt in trainer.optimizers for g in opt.param_groups]
         sync(device)
@@ -305,7 +306,9 @@ def main() -> int:
         if getattr(args, key) is not None:
             sz[key] = getattr(args, key)
     args.workers, args.prefetch = sz["workers"], sz["prefetch"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from eagle3lib.device import auto_device
+
+    device = auto_device()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

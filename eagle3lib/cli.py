@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.errors import StageFailed, WorkbookError
 from eagle3lib.stages import ALL_STAGES, NOTEBOOK_DIR, available_stages
 
 
@@ -50,7 +50,7 @@ def _cmd_stages(_: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from eagle3lib.report import compare_runs
+    from eagle3lib.evaluate.report import compare_runs
 
     missing = [str(r) for r in args.runs if not (r / "manifests").is_dir()]
     if missing:
@@ -149,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except StageFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except WorkbookError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1 if str(e).startswith("stage ") else 2
+        return 2
     except KeyboardInterrupt:
         print("interrupted: files already written are complete; rerun the same command to resume", file=sys.stderr)
         return 130

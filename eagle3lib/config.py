@@ -135,7 +135,7 @@ class ExtractSection(Section):
                                        "when the environment does not set it.")
     vllm_endpoint: str | None = Field(
         None, description="vLLM native: URL of a running `vllm serve` started with the extract_hidden_states method "
-        "and the hidden-states connector (eagle3lib.backends.vllm_native.serve_command prints it); None = start an "
+        "and the hidden-states connector (eagle3lib.extract.backends.vllm_native.serve_command prints it); None = start an "
         "engine in this process."
     )
     vllm_endpoint_concurrency: int = Field(32, ge=1, description="vLLM native endpoint: requests in flight at once.")
@@ -289,6 +289,32 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise WorkbookError(f"override {item!r} has no '='", "write overrides as section.key=value, e.g. train.epochs=2")
     key, raw = item.split("=", 1)
     return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_config_path(config: str | Path | None) -> Path | None:
+    """A config path as a person gives it: absolute, relative to the current folder, or (as a notebook opened from
+    notebooks/ gives it) relative to the repo root; made absolute, so every process of a run reads the same file."""
+    if config is None:
+        return None
+    path = Path(config).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = REPO_ROOT / path
+    return path.resolve()
+
+
+def run_overrides(run: str | None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The overrides of a run: `overrides`, then `run.name=RUN` when a run name is given (`--run`, a notebook's
+    `run` parameter), so that the run name wins over the config's."""
+    return list(overrides) + ([f"run.name={run}"] if run else [])
+
+
+def load_run_config(config: str | Path | None, run: str | None = None,
+                    overrides: list[str] | tuple[str, ...] = ()) -> WorkbookConfig:
+    """The config of a run as the CLI, a notebook and a torchrun process all name it: path, run name, overrides."""
+    return load_config(resolve_config_path(config), run_overrides(run, overrides))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> WorkbookConfig:

@@ -15,3 +15,7 @@ class WorkbookError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem} — fix: {fix}" if fix else problem)
+
+
+class StageFailed(WorkbookError):
+    """A stage's notebook failed while it ran (`eagle3 run` exits 1 for it; a mistake caught before exits 2)."""

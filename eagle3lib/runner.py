@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3lib.config import load_config
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import REPO_ROOT, RunDir
+from eagle3lib.config import REPO_ROOT, load_run_config, resolve_config_path, run_overrides
+from eagle3lib.errors import StageFailed, WorkbookError
+from eagle3lib.rundir import RunDir
 from eagle3lib.stages import Stage, parse_selection
-from eagle3lib.target import check_tokenizer, describe_target, resolve_layer_ids, resolve_model_path
+from eagle3lib.target import check_tokenizer, resolve_target
 
 KERNEL = "python3"  # the kernel of the interpreter that runs papermill: the workbook's venv
 
@@ -36,20 +36,19 @@ def run_environment(rd: RunDir) -> dict[str, str]:
     return env
 
 
-def preflight(config: str | Path | None, overrides: list[str]) -> RunDir:
+def preflight(config: str | Path | None, overrides: list[str], run: str | None = None) -> RunDir:
     """Everything that can be checked before a notebook starts: config, target path and config.json, layer ids, the
     draft vocabulary against the target's, the tokenizer against the model, then the output folder (created last, so
     bad input leaves nothing behind)."""
-    cfg = load_config(config, overrides)
-    model_dir = resolve_model_path(cfg.target)
-    info = describe_target(model_dir)
-    resolve_layer_ids(cfg.target.layer_ids, info.num_layers)
+    cfg = load_run_config(config, run, overrides)
+    target = resolve_target(cfg.target)
+    info = target.info
     if cfg.verifier.draft_vocab_size > info.vocab_size:
         raise WorkbookError(
             f"verifier.draft_vocab_size={cfg.verifier.draft_vocab_size} is larger than the target's vocabulary "
             f"({info.vocab_size} tokens)",
             f"set verifier.draft_vocab_size to at most {info.vocab_size} (equal = no draft vocabulary mapping)")
-    check_tokenizer(cfg.target, model_dir, info)
+    check_tokenizer(cfg.target, target.model_dir, info)
     return RunDir.create(cfg)
 
 
@@ -58,8 +57,8 @@ def run_stages(config: str | Path | None, run: str | None = None, stages: str | 
     """Run the selected stages in order; stop at the first failure with the stage, the error and the notebook path."""
     import papermill as pm
 
-    overrides = list(overrides or []) + ([f"run.name={run}"] if run else [])
-    config_path = str(Path(config).resolve()) if config else None
+    config_path = resolve_config_path(config)
+    overrides = run_overrides(run, overrides or [])
     rd = preflight(config_path, overrides)
     selected: list[Stage] = parse_selection(stages)
     os.environ.update(run_environment(rd))
@@ -73,11 +72,11 @@ def run_stages(config: str | Path | None, run: str | None = None, stages: str | 
         try:
             pm.execute_notebook(
                 str(stage.notebook), str(out), kernel_name=KERNEL, cwd=str(REPO_ROOT),
-                parameters={"config": config_path, "run": rd.cfg.run.name, "overrides": list(overrides)},
+                parameters={"config": str(config_path) if config_path else None, "run": rd.cfg.run.name, "overrides": list(overrides)},
                 log_output=log_output, progress_bar=False, stdout_file=sys.stdout if log_output else None,
             )
         except pm.PapermillExecutionError as e:
-            raise WorkbookError(
+            raise StageFailed(
                 f"stage {stage.key} failed: {e.ename}: {e.evalue.strip()}",
                 f"read the executed notebook {out} (cell {e.exec_count}), fix the cause, rerun with --stages {stage.id}-",
             ) from None

@@ -28,6 +28,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # names in a file's header
 
 
+def train_ratio(train_rows: int, val_rows: int) -> float:
+    """The `train_ratio` speculators' dataset takes so that its split lands on our train/val boundary.
+
+    speculators splits a dataset at int(rows * train_ratio) (the trailing rows are validation rows): n_train / rows
+    can land one row short in floating point (e.g. 15/22); half a row more always lands on n_train exactly.
+    """
+    return (train_rows + 0.5) / (train_rows + val_rows) if val_rows else 1.0
+
+
 def shard_dir(dataset_dir: Path) -> Path:
     return Path(dataset_dir) / "hidden_states"
 

@@ -38,7 +38,8 @@ ALL_STAGES: tuple[Stage, ...] = (
     Stage("03", "inspect_tensors", ("inspect",), ("02",), "validate and look at the hidden states"),
     Stage("04", "verifier_weights", ("verifier",), ("02",), "verifier embedding/lm_head/norm and draft vocabulary"),
     Stage("05", "train_draft", ("train",), ("02", "04"), "train the EAGLE-3 draft"),
-    Stage("06", "evaluate_acceptance", ("evaluate",), ("02", "05"), "acceptance length and speed; the report card"),
+    Stage("06", "evaluate_acceptance", ("evaluate",), ("02", "04", "05"),
+          "acceptance length and speed; the report card"),
 )
 _BY_ID = {s.id: s for s in ALL_STAGES}
 

@@ -86,6 +86,14 @@ def resolve_model_path(target: TargetSection) -> Path:
     return path
 
 
+def checkpoint_bytes(model_dir: Path) -> int:
+    """Bytes of the checkpoint's weight files: its *.safetensors, or its *.bin where it has none. What decides
+    whether a target fits one GPU (stage 02) and whether stage 04 cross-checks against a full transformers load."""
+    model_dir = Path(model_dir)
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in model_dir.glob("*.bin"))
+
+
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
@@ -145,12 +153,49 @@ def describe_target(model_dir: Path) -> TargetInfo:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def tokenizer_dir(target: TargetSection, model_dir: Path) -> Path:
+    """Where the target's tokenizer is: `target.tokenizer` when set, else the model folder."""
+    return Path(target.tokenizer).expanduser() if target.tokenizer else Path(model_dir)
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(target: TargetSection, model_dir: Path, *, chat: bool = True) -> Any:
+    """The target's tokenizer, the one home of that rule for every stage.
+
+    chat=True (stage 02: conversations are rendered with it): one clear error when no tokenizer loads or it has no
+    chat template; a missing pad token becomes the eos token (batched generation pads). chat=False (stage 06:
+    held-out prompts are rendered where it can): None when the folder has no tokenizer or it has no chat template
+    (tiny test targets ship none), so the caller falls back to the stored token ids.
+    """
+    from transformers import AutoTokenizer
+
+    tok_dir = tokenizer_dir(target, model_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=target.trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        if not chat:
+            return None
+        raise WorkbookError(f"no tokenizer loads from {tok_dir} ({e.__class__.__name__}: {' '.join(str(e).split())[:80]})",
+                            "set target.tokenizer to a folder with the model's tokenizer files") from None
+    if not getattr(tok, "chat_template", None):
+        if not chat:
+            return None
+        raise WorkbookError(f"the tokenizer in {tok_dir} has no chat template",
+                            "use an instruct/chat checkpoint, or set target.tokenizer to one with a chat_template")
+    if chat and tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def check_tokenizer(target: TargetSection, model_dir: Path, info: TargetInfo) -> int | None:
     """A tokenizer whose ids the model has no embedding for would fail deep inside a forward (or, worse, train on
     other tokens): refuse it before anything runs. Returns the tokenizer's size, or None when the model folder has no
     tokenizer and none is configured (stages 03-06 run on such a target; stage 02 asks for one itself)."""
-    tok_dir = Path(target.tokenizer).expanduser() if target.tokenizer else Path(model_dir)
-    if not target.tokenizer and not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
+    tok_dir = tokenizer_dir(target, model_dir)
+    if not target.tokenizer and not has_tokenizer_files(tok_dir):
         return None
     from transformers import AutoTokenizer
 
@@ -165,6 +210,23 @@ def check_tokenizer(target: TargetSection, model_dir: Path, info: TargetInfo) ->
             "it does not belong to this model",
             "set target.tokenizer to the model's own tokenizer (or remove it to use the model folder's)")
     return len(tok)
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """The target a run uses: its folder (absolute), its shape, and the captured layer ids (aux ids + final N)."""
+
+    model_dir: Path
+    info: TargetInfo
+    layer_ids: list[int]
+
+
+def resolve_target(target: TargetSection) -> ResolvedTarget:
+    """`target.*` of the config → the checkpoint folder (converting the embedded one on first use), its shape and
+    the layer ids, each with one clear error when wrong. Stage 02 and the runner's preflight read it the same way."""
+    model_dir = resolve_model_path(target).resolve()
+    info = describe_target(model_dir)
+    return ResolvedTarget(model_dir, info, resolve_layer_ids(target.layer_ids, info.num_layers))
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

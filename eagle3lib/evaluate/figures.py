@@ -1,0 +1,98 @@
+"""Stage 06's four figures, drawn from the results `methods.measure` wrote (figures/06_*.png).
+
+Why from the results only: the same dict is eval/results.json, so a figure can be redrawn from a finished run
+without measuring again. The rows are named in `keys`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3lib import plots
+from eagle3lib.evaluate.keys import LIVE
+from eagle3lib.rundir import StageRun
+
+
+def _label_and_save(fig: Any, ax: Any, path: Path, title: str, xlabel: str | None, ylabel: str) -> Any:
+    """What every stage-06 figure ends with: labels, title, legend, the PNG."""
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    plots.save(fig, path)
+    return fig
+
+
+def _bars_by_method(ax: Any, results: dict[str, Any], values: Any, first_x: int, label: Any) -> None:
+    """One group of bars per x position, one bar per method in the group: `values(acceptance)` gives the heights,
+    the first at x = `first_x`."""
+    methods = [m for m in results["by_method"] if results["by_method"][m]]
+    width = 0.8 / max(len(methods), 1)
+    for j, name in enumerate(methods):
+        a = results["by_method"][name]
+        ys = values(a)
+        xs = [first_x + i + (j - (len(methods) - 1) / 2) * width for i in range(len(ys))]
+        ax.bar(xs, ys, width=width, label=label(name, a))
+
+
+def plot_per_position(results: dict[str, Any], path: Path):
+    fig, ax = plots.figure(figsize=(6, 3.5))
+    _bars_by_method(ax, results, lambda a: a["per_pos_rate"], first_x=1,
+                    label=lambda name, a: f"{name} (tau {a['tau']:.2f})")
+    ax.set_ylim(0, 1)
+    return _label_and_save(fig, ax, path, "per-position acceptance rate", "draft position",
+                           "accepted at position / drafts")
+
+
+def plot_length_histogram(results: dict[str, Any], path: Path):
+    fig, ax = plots.figure(figsize=(6, 3.5))
+    _bars_by_method(ax, results, lambda a: [h / max(sum(a["length_histogram"]), 1) for h in a["length_histogram"]],
+                    first_x=0, label=lambda name, a: name)
+    return _label_and_save(fig, ax, path, "accepted lengths", "accepted draft tokens in a step", "share of steps")
+
+
+def plot_tau_vs_k(results: dict[str, Any], path: Path):
+    fig, ax = plots.figure(figsize=(6, 3.5))
+    for name, sweep in results["sweep"].items():
+        ks = sorted(int(k) for k in sweep)
+        ax.plot(ks, [sweep[str(k)]["tau"] if str(k) in sweep else sweep[k]["tau"] for k in ks], marker="o",
+                label=name)
+    ks_all = sorted({int(k) for s in results["sweep"].values() for k in s})
+    if ks_all:
+        ax.plot(ks_all, [k + 1 for k in ks_all], ls=":", color="grey", label="ideal (all accepted)")
+    return _label_and_save(fig, ax, path, "mean acceptance length vs k", "k (draft tokens per step)",
+                           "tau (tokens per target forward)")
+
+
+def plot_speedup(results: dict[str, Any], path: Path):
+    fig, ax = plots.figure(figsize=(6, 3.5))
+    names, base, spec = [], [], []
+    for name in LIVE:
+        r = results.get(name)
+        if r and r.get("baseline_tokens_per_s"):
+            names.append(name)
+            base.append(r["baseline_tokens_per_s"])
+            spec.append(r["spec_tokens_per_s"])
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], base, width=0.4, label="target alone")
+    ax.bar([x + 0.2 for x in xs], spec, width=0.4, label="with the draft")
+    for x, b, s in zip(xs, base, spec, strict=True):
+        ax.text(x + 0.2, s, f"x{s / b:.2f}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(xs), names)
+    return _label_and_save(fig, ax, path, "speed with and without the draft (greedy, same prompts)", None,
+                           "generated tokens / s")
+
+
+FIGURES = (("per_position", plot_per_position), ("accepted_lengths", plot_length_histogram),
+           ("tau_vs_k", plot_tau_vs_k), ("speedup", plot_speedup))
+
+
+def draw_figures(stage: StageRun, results: dict[str, Any]) -> dict[str, Any]:
+    """The four figures (PNG in the run's figures/); returns {name: (path, fig)}."""
+    out = {}
+    for name, fn in FIGURES:
+        path = stage.rd.figure_path("06", name)
+        out[name] = (path, fn(results, path))
+    return out

@@ -1,0 +1,98 @@
+"""What stage 06 reads: earlier stages' outputs (`inputs_from_run`), the held-out prompts, the target's eos ids.
+
+Why apart from the methods: every method (offline, embedded, vLLM, n-gram) runs on the same prompts; the prompts
+are rendered once, here, from stage 02's eval split, never from anything trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import StageRun
+
+
+@dataclass
+class EvalInputs:
+    """What stage 06 reads, all from earlier manifests."""
+
+    model_dir: Path
+    checkpoint: Path
+    dataset_dir: Path
+    eval_prompts: Path
+    verifier_dir: Path  # stage 04's verifier/ folder: the target's final norm and lm_head under fixed names
+    layer_ids: list[int]  # incl. the final id N
+    train_rows: int
+    val_rows: int
+    train_metrics: dict[str, Any]
+
+
+def inputs_from_run(stage: StageRun) -> EvalInputs:
+    rd = stage.rd
+    m02 = rd.read_manifest("02")
+    m05 = rd.read_manifest("05")
+    if "checkpoint" not in m05["outputs"]:
+        raise WorkbookError("stage 05 recorded no 'checkpoint'", "rerun stage 05 (it writes the final checkpoint)")
+    ckpt = Path(m05["outputs"]["checkpoint"])
+    ckpt = ckpt if ckpt.is_absolute() else rd.root / ckpt
+    model_dir = Path(m02["outputs"]["model_dir"])
+    return EvalInputs(model_dir=model_dir if model_dir.is_absolute() else rd.root / model_dir, checkpoint=ckpt,
+                      dataset_dir=rd.output("02", "dataset"), eval_prompts=rd.output("02", "eval_prompts"),
+                      verifier_dir=rd.output("04", "verifier_dir"),
+                      layer_ids=list(m02["metrics"]["layer_ids"]), train_rows=int(m02["metrics"]["train_rows"]),
+                      val_rows=int(m02["metrics"]["val_rows"]), train_metrics=m05.get("metrics", {}))
+
+
+def held_out_categories(inp: EvalInputs, limit: int | None) -> list[str] | None:
+    """The category of each held-out prompt (the bundled set has 8), in prompt order; None where there are none."""
+    if not inp.eval_prompts.is_file():
+        return None
+    cats = [json.loads(line).get("category") for line in inp.eval_prompts.read_text().splitlines() if line.strip()]
+    cats = cats[:limit] if limit else cats
+    return [str(c) for c in cats] if cats and all(cats) else None
+
+
+def held_out_prompt_ids(inp: EvalInputs, tok: Any | None, limit: int | None) -> tuple[list[list[int]], str]:
+    """Token ids of the held-out prompts, rendered with the chat template and its generation prompt.
+
+    Without a tokenizer (tiny random test targets) the prompts are the prefixes (up to the first loss-masked token)
+    of the dataset's validation rows: also never trained on. Returns (prompt ids, where they came from).
+    """
+    if tok is not None:
+        prompts = []
+        for line in inp.eval_prompts.read_text().splitlines():
+            if line.strip():
+                prompts.append(json.loads(line)["messages"])
+        if not prompts:
+            raise WorkbookError(f"{inp.eval_prompts} holds no held-out prompts", "set data.eval_samples > 0, rerun 02")
+        prompts = prompts[:limit] if limit else prompts
+        ids = [list(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for p in prompts]
+        return ids, f"{len(ids)} held-out prompts ({inp.eval_prompts.name}), chat template"
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(inp.dataset_dir))
+    out = []
+    for i in range(inp.train_rows, inp.train_rows + inp.val_rows):
+        ids = [int(t) for t in ds[i]["input_ids"]]  # plain ints whether or not the dataset has a torch format
+        mask = [int(v) for v in ds[i]["loss_mask"]]
+        first = next((j for j, v in enumerate(mask) if v), len(ids))
+        out.append(ids[: max(first, 1)])
+    out = out[:limit] if limit else out
+    if not out:
+        raise WorkbookError("no tokenizer and no validation rows to take prompts from",
+                            "give the target a tokenizer with a chat template, or keep validation rows in stage 02")
+    return out, f"{len(out)} validation-row prefixes (the target has no tokenizer)"
+
+
+def eos_ids(target: Any, tok: Any | None) -> list[int]:
+    """The ids that end a generation: the target's generation config, else the tokenizer's eos; [] without either."""
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    if eos is None and tok is not None:
+        eos = tok.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]

@@ -1,0 +1,16 @@
+"""The names of stage 06's rows in eval/results.json, which the figures, the report card and `eagle3 compare` read.
+
+Why one module: each name is a key (`results["by_method"][name]`, `results["sweep"][name]`) and display text at
+once (the report card's method column, the figures' legends). The writer (`methods.measure`) and every reader
+take them from here, so a renamed row cannot leave a reader looking for the old name.
+"""
+
+from __future__ import annotations
+
+OFFLINE_ROWS = "offline (validation rows)"  # teacher-forced over stage 02's validation rows
+HELDOUT_ALL = "offline (held-out, all starts)"  # teacher-forced over the held-out continuations, every start
+HELDOUT_PATH = "offline (held-out, decoder path)"  # the same, only the starts the decoder visits
+EMBEDDED = "embedded"  # the exact speculative decoder; also results["embedded"] (speed, identical outputs)
+VLLM = "vllm"  # EAGLE-3 in vLLM; also results["vllm"]
+NGRAM = "vllm n-gram (no draft)"  # vLLM's n-gram prompt lookup: the draft-free baseline
+LIVE = (EMBEDDED, VLLM)  # the methods with a speed section: target alone vs with the draft

@@ -1,0 +1,421 @@
+"""Stage 06's methods: how many tokens the target accepts per step with the trained draft, and at what speed.
+
+Four methods, reported the way vLLM reports them (see `decoder.Acceptance`): mean acceptance length
+tau = 1 + accepted / drafts, per-position rate = accepted at p / drafts, draft acceptance rate = accepted / drafted.
+Live methods also get tokens_per_step = generated / target forwards: tau counts only the steps that drafted, which
+for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step compares it with a draft.
+
+- offline: the draft run teacher-forced over stored hidden states (no generation): over the validation rows of the
+  stage 02 dataset (the quick number; the target's argmax from stage 04's final norm and lm_head), and over the
+  target's own greedy continuations of the held-out prompts (which makes it comparable with the two live measures:
+  same prompts, same tokens).
+- embedded: `decoder.speculative_generate`, an exact greedy chain speculative decoder with the transformers
+  target; checked token for token against the target's plain greedy output on every prompt.
+- vllm: vLLM serving the target with the draft (method eagle3), its spec-decode counters, tokens/s against the same
+  prompts without the draft, and greedy outputs compared between the two (run in a child process, `vllm_child`).
+- ngram: vLLM's n-gram prompt lookup with the same k, no draft at all: the baseline the trained draft must beat.
+
+`measure` runs the configured ones and writes eval/results.json, keeping each finished method in eval/partial.json
+until all are done (`FinishedMethods`); its rows are named in `keys`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib import atomic
+from eagle3lib.device import auto_device, dtype_name, torch_dtype
+from eagle3lib.errors import WorkbookError
+from eagle3lib.evaluate.decoder import Acceptance
+from eagle3lib.evaluate.inputs import EvalInputs, eos_ids, held_out_categories, held_out_prompt_ids, inputs_from_run
+from eagle3lib.evaluate.keys import EMBEDDED, HELDOUT_ALL, HELDOUT_PATH, NGRAM, OFFLINE_ROWS, VLLM
+from eagle3lib.rundir import StageRun
+from eagle3lib.target import load_tokenizer
+
+log = logging.getLogger("eagle3lib.evaluate")
+
+
+def by_category(categories: list[str], acceptances: list[dict[str, Any]], k: int) -> dict[str, dict[str, Any]]:
+    """Per-prompt acceptances merged by category: where a draft falls short (a data mix to fix, a language)."""
+    out: dict[str, Acceptance] = {}
+    for cat, a in zip(categories, acceptances, strict=True):
+        out.setdefault(cat, Acceptance(k)).merge(Acceptance.from_dict(a))
+    return {cat: {**a.to_dict(), "prompts": categories.count(cat)} for cat, a in sorted(out.items())}
+
+
+def load_target(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+
+
+def embedded_one(target: Any, draft: Any, prompt: list[int], k: int, max_new_tokens: int,
+                 eos: list[int]) -> dict[str, Any]:
+    """One held-out prompt: the target's plain greedy output (reference and baseline speed), then the speculative
+    decoder's, batch 1 both; where they differ, whether they first differ at a rounding tie (`first_divergence`)."""
+    from eagle3lib.evaluate.decoder import first_divergence, greedy_generate, speculative_generate
+
+    ref, base_s = greedy_generate(target, prompt, max_new_tokens, eos_token_id=eos or None)
+    r = speculative_generate(target, draft, prompt, k, max_new_tokens, eos_token_id=eos or None)
+    return {"prompt_len": len(prompt), "ref": ref, "base_s": base_s, "output_ids": r.output_ids,
+            "verified_ids": r.verified_ids, "spec_s": r.seconds, "forwards": r.target_forwards,
+            "acceptance": r.acceptance.to_dict(), "divergence": first_divergence(target, prompt, ref, r.output_ids)}
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _embedded_worker_init(model_dir: str, checkpoint: str, device: str, dtype: str, args: tuple) -> None:
+    from eagle3lib.evaluate.decoder import load_draft
+
+    torch.set_num_threads(1)  # the GPU computes; more host threads only contend between the workers
+    dt = torch_dtype(dtype)
+    _WORKER.update(target=load_target(Path(model_dir), device, dt), draft=load_draft(checkpoint, device=device,
+                                                                                     dtype=dt), args=args)
+
+
+def _embedded_worker(prompt: list[int]) -> dict[str, Any]:
+    return embedded_one(_WORKER["target"], _WORKER["draft"], prompt, *_WORKER["args"])
+
+
+def embedded_workers(target: Any, device: str, prompts: int) -> int:
+    """How many processes share the device for the embedded decoder. Batch-1 decoding of a small target is bound by
+    Python and kernel launches, not by the GPU (SmolLM2 on an H200: 36 tokens/s, the GPU mostly idle), so on a GPU
+    the prompts go to up to 8 processes (half the CPU cores, each holding a copy of the target within half the free
+    GPU memory); on a CPU one process, whose threads already use every core."""
+    if not device.startswith("cuda") or prompts < 2:
+        return 1
+    weights = sum(t.numel() * t.element_size() for t in target.parameters())
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return max(1, min(8, (os.cpu_count() or 2) // 2, prompts, int(free * 0.5 // max(weights, 1))))
+
+
+def run_embedded(target: Any, draft: Any, prompts: list[list[int]], k: int, max_new_tokens: int, eos: list[int],
+                 progress: bool = True, workers: int = 1, load: tuple[Path, Path, str, str] | None = None
+                 ) -> dict[str, Any]:
+    """Speculative decoding of every prompt, and the target's plain greedy output of the same prompts for both the
+    losslessness check and the baseline speed (batch 1 both: the decoder is batch 1). With workers > 1 the prompts
+    go to that many processes, each loading `load` = (model dir, checkpoint, device, dtype name); speeds are then
+    per process (each shares the device with the others, for the baseline and the draft alike)."""
+    from tqdm.auto import tqdm
+
+    acc = Acceptance(k)
+    spec_s = base_s = 0.0
+    spec_tok = base_tok = forwards = identical = 0
+    per_prompt: list[dict[str, Any] | None] = [None] * len(prompts)
+    bar = tqdm(total=len(prompts), desc=f"embedded k={k}" + (f" ({workers} processes)" if workers > 1 else ""),
+               disable=not progress, unit="prompt")
+
+    def add(i: int, r: dict[str, Any]) -> None:
+        nonlocal spec_s, base_s, spec_tok, base_tok, forwards, identical
+        base_s += r["base_s"]
+        base_tok += len(r["ref"])
+        spec_s += r["spec_s"]
+        spec_tok += len(r["output_ids"])
+        forwards += r["forwards"]
+        acc.merge(Acceptance.from_dict(r["acceptance"]))
+        identical += int(r["output_ids"] == r["ref"])
+        per_prompt[i] = {"prompt_len": r["prompt_len"], "output_ids": r["output_ids"],
+                         "verified_ids": r["verified_ids"], "identical": r["output_ids"] == r["ref"],
+                         "divergence": r["divergence"], "acceptance": r["acceptance"]}
+        bar.update(1)
+        bar.set_postfix(tau=f"{acc.tau:.2f}", spec_tok_s=f"{spec_tok / max(spec_s, 1e-9):.0f}",
+                        base_tok_s=f"{base_tok / max(base_s, 1e-9):.0f}")
+
+    if workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        if load is None:
+            raise ValueError("workers > 1 needs load = (model dir, checkpoint, device, dtype)")
+        model_dir, ckpt, device, dtype = load
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_embedded_worker_init,
+                                 initargs=(str(model_dir), str(ckpt), device, dtype, (k, max_new_tokens, eos))) as ex:
+            futures = {ex.submit(_embedded_worker, p): i for i, p in enumerate(prompts)}
+            for f in as_completed(futures):
+                add(futures[f], f.result())
+    else:
+        for i, p in enumerate(prompts):
+            add(i, embedded_one(target, draft, p, k, max_new_tokens, eos))
+    bar.close()
+    outputs = [r["output_ids"] for r in per_prompt]  # type: ignore[index]
+    divergences = [{"prompt": i, **r["divergence"]}  # type: ignore[index]
+                   for i, r in enumerate(per_prompt) if r["divergence"]]  # type: ignore[index]
+    ties = sum(d["tie"] for d in divergences)
+    return {"acceptance": with_tokens_per_step(acc.to_dict(), outputs), "identical": identical, "prompts": len(prompts),
+            "differ_at_a_tie": ties, "differ_otherwise": len(divergences) - ties, "divergences": divergences,
+            "spec_tokens_per_s": spec_tok / spec_s if spec_s else None,
+            "baseline_tokens_per_s": base_tok / base_s if base_s else None,
+            "speedup": (spec_tok / spec_s) / (base_tok / base_s) if spec_s and base_s and base_tok else None,
+            "target_forwards": forwards, "generated_tokens": spec_tok, "workers": workers, "per_prompt": per_prompt}
+
+
+def run_offline_continuations(target: Any, draft: Any, prompts: list[list[int]], continuations: list[list[int]],
+                              ks: list[int]) -> dict[int, dict[str, Acceptance]]:
+    """Offline acceptance on the target's greedy continuations of the held-out prompts, for every k.
+
+    One target forward per prompt gives the aux states of prompt + continuation; the draft then runs
+    teacher-forced from every start position (no generation)."""
+    from eagle3lib.evaluate.decoder import simulate_continuation, target_aux_for
+
+    total: dict[int, dict[str, Acceptance]] = {k: {"all": Acceptance(k), "path": Acceptance(k)} for k in ks}
+    for p, cont in zip(prompts, continuations, strict=True):
+        seq = list(p) + list(cont)
+        aux = target_aux_for(target, seq, draft.layer_ids)
+        for k, parts in simulate_continuation(draft, aux, seq, len(p), ks).items():
+            for name, a in parts.items():
+                total[k][name].merge(a)
+    return total
+
+
+def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int | None,
+                     progress: bool = True) -> tuple[dict[int, Acceptance], int]:
+    """Offline acceptance over the validation rows of the stage 02 dataset (stored states; the quick number). The
+    target's argmax after each position is computed from the stored final slot with stage 04's norm and lm_head."""
+    from datasets import load_from_disk
+    from tqdm.auto import tqdm
+
+    from eagle3lib import shards
+    from eagle3lib.evaluate.decoder import simulate_rows
+    from eagle3lib.verifier import read_head
+
+    ds = load_from_disk(str(inp.dataset_dir))
+    rows_idx = list(range(inp.train_rows, min(len(ds), inp.train_rows + inp.val_rows)))
+    if max_rows is not None:
+        rows_idx = rows_idx[:max_rows]
+    norm_w, lm_head, eps = read_head(inp.verifier_dir)  # the tensors stage 04 resolved, under fixed names
+    head = (norm_w.to(draft.device), lm_head.to(draft.device), eps)  # the argmax over the vocab runs where the draft does
+    n_aux = len(draft.layer_ids)
+
+    def rows():
+        for i in rows_idx:
+            data = shards.read_shard(shards.shard_path(inp.dataset_dir, i))
+            hs = data["hidden_states"].to(draft.device, torch.float32)
+            if hs.shape[1] != n_aux + 1:
+                raise WorkbookError(f"shard {i} holds {hs.shape[1]} slots, the draft reads {n_aux} aux layers + final",
+                                    "evaluate with the draft trained on this run's stage 02 states")
+            yield (torch.as_tensor(ds[i]["input_ids"]), torch.as_tensor(ds[i]["loss_mask"]), hs)
+
+    bar = tqdm(total=len(rows_idx), desc="offline (validation rows)", disable=not progress, unit="row")
+    t0 = time.perf_counter()
+    seen = [0]
+
+    def tick(n_tokens: int) -> None:
+        seen[0] += n_tokens
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{seen[0] / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+    res = simulate_rows(draft, rows(), head, ks, progress=tick)
+    bar.close()
+    return res, len(rows_idx)
+
+
+def with_tokens_per_step(acceptance: dict[str, Any], outputs: list[list[int]]) -> dict[str, Any]:
+    """The acceptance dict plus tokens_per_step = generated tokens / target forwards, where forwards = generated -
+    accepted (every forward yields one token of its own plus the accepted drafts; the prefill counts as one)."""
+    generated = sum(len(o) for o in outputs)
+    return {**acceptance, "tokens_per_step": round(generated / max(1, generated - acceptance["accepted"]), 4)}
+
+
+def count_identical(outputs: list[list[int]], others: list[list[int]]) -> int:
+    """How many prompts got the same tokens from two runs over the same prompts."""
+    return sum(int(a == b) for a, b in zip(outputs, others, strict=True))
+
+
+def vllm_job(inp: EvalInputs, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> dict[str, Any]:
+    """What every vLLM run of the evaluation shares: target, prompts, length, dtype."""
+    longest = max(len(p) for p in prompts) + max_new_tokens + 8
+    return {"target": str(inp.model_dir), "prompt_token_ids": prompts, "max_new_tokens": max_new_tokens,
+            "dtype": dtype, "max_model_len": max(256, longest)}
+
+
+def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
+              dtype: str) -> dict[str, Any]:
+    """vLLM's n-gram prompt lookup with the same k on the same prompts: the draft-free baseline, so the report
+    shows what the trained draft adds over copying from the context."""
+    from eagle3lib.evaluate.vllm_child import run_in_subprocess
+
+    r = run_in_subprocess({**vllm_job(inp, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}, workdir,
+                          f"ngram_k{k}")
+    return {"acceptance": with_tokens_per_step(Acceptance.from_dict(r["acceptance"]).to_dict(), r["outputs"]),
+            "tokens_per_s": r["tokens_per_s"],
+            "engine_start_s": r["engine_start_s"], "outputs": r["outputs"]}
+
+
+def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
+             dtype: str, sweep: list[int] | None = None) -> dict[str, Any]:
+    """vLLM with and without the draft on the same prompts (child processes); counters, speed, identical outputs."""
+    from eagle3lib.evaluate.vllm_child import run_in_subprocess
+
+    base_job = vllm_job(inp, prompts, max_new_tokens, dtype)
+    base = run_in_subprocess({**base_job, "draft": None, "k": 0}, workdir, "baseline")
+    runs: dict[int, dict[str, Any]] = {}
+    for kk in sorted(set([k] + list(sweep or []))):
+        runs[kk] = run_in_subprocess({**base_job, "draft": str(inp.checkpoint), "k": kk}, workdir, f"eagle3_k{kk}")
+    main = runs[k]
+    identical = count_identical(main["outputs"], base["outputs"])
+    return {
+        "acceptance": with_tokens_per_step(Acceptance.from_dict(main["acceptance"]).to_dict(), main["outputs"]),
+        "sweep": {kk: Acceptance.from_dict(r["acceptance"]).to_dict() for kk, r in runs.items()},
+        "identical": identical, "prompts": len(prompts),
+        "spec_tokens_per_s": main["tokens_per_s"], "baseline_tokens_per_s": base["tokens_per_s"],
+        "speedup": main["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
+        "engine_start_s": {"baseline": base["engine_start_s"], "eagle3": main["engine_start_s"]},
+        "outputs": main["outputs"], "baseline_outputs": base["outputs"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ stage
+
+
+def _file_stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+class FinishedMethods:
+    """The methods a failed or interrupted stage 06 finished, kept in eval/partial.json after each one and reused
+    by a rerun that evaluates the same weights on the same prompts with the same settings (`fingerprint`): a vLLM
+    failure after a 7-minute embedded run on a GPU must not cost those 7 minutes again. Removed on success."""
+
+    def __init__(self, path: Path, fingerprint: dict[str, Any]):
+        self.path, self.fingerprint = path, fingerprint
+        try:
+            data = json.loads(path.read_text())
+            self.methods: dict[str, Any] = data["methods"] if data.get("fingerprint") == fingerprint else {}
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            self.methods = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.methods
+
+    def run(self, name: str, fn: Any, results: dict[str, Any]) -> Any:
+        """`fn()`'s value for method `name`: kept from an earlier attempt, or computed now and kept (with its
+        seconds in results["seconds"][name])."""
+        if name in self.methods:
+            log.info("stage 06: %s reused from %s (same weights, prompts and settings)", name, self.path.name)
+            results["seconds"][name] = self.methods[name]["seconds"]
+            results.setdefault("reused", []).append(name)
+            return self.methods[name]["value"]
+        t0 = time.perf_counter()
+        value = fn()
+        self.methods[name] = {"value": value, "seconds": round(time.perf_counter() - t0, 2)}
+        results["seconds"][name] = self.methods[name]["seconds"]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(self.path, {"fingerprint": self.fingerprint, "methods": self.methods})
+        return value
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
+    """Run every configured method; write eval/results.json. Returns the results (figures and report separately)."""
+    from eagle3lib.evaluate.decoder import load_draft
+
+    cfg = stage.cfg.evaluate
+    inp = inputs_from_run(stage)
+    device = auto_device(cfg.device)
+    dtype = torch_dtype(stage.cfg.target.dtype, device)
+    dname = dtype_name(stage.cfg.target.dtype, device)  # what the embedded workers and the vLLM jobs are told
+    k = cfg.num_draft_tokens
+    ks = sorted(set(cfg.sweep_k) | {k})
+    t_all = time.perf_counter()
+    draft = load_draft(inp.checkpoint, device=device, dtype=dtype)
+    if list(draft.layer_ids) != list(inp.layer_ids[:-1]):
+        raise WorkbookError(f"the draft reads aux layers {draft.layer_ids}, stage 02 captured {inp.layer_ids[:-1]}",
+                            "evaluate the draft trained on this run (or rerun stage 05)")
+    tok = load_tokenizer(stage.cfg.target, inp.model_dir, chat=False)
+    prompts, prompt_source = held_out_prompt_ids(inp, tok, cfg.num_prompts)
+    results: dict[str, Any] = {"k": k, "sweep_k": ks, "prompt_source": prompt_source, "prompts": len(prompts),
+                               "max_new_tokens": cfg.max_new_tokens, "device": device, "dtype": str(dtype),
+                               "checkpoint": str(inp.checkpoint), "target": str(inp.model_dir), "by_method": {},
+                               "sweep": {}, "seconds": {}}
+    done = FinishedMethods(stage.rd.path("eval", "partial.json"), {
+        **{key: results[key] for key in ("k", "sweep_k", "max_new_tokens", "device", "dtype", "checkpoint")},
+        "weights": _file_stamp(Path(inp.checkpoint) / "model.safetensors"), "offline_max_rows": cfg.offline_max_rows,
+        "vllm_sweep": cfg.vllm_sweep, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()})
+    target = None
+    if ("embedded" in cfg.methods and not done.has("embedded")) or "offline" in cfg.methods:
+        target = load_target(inp.model_dir, device, dtype)
+    eos = eos_ids(target, tok) if target is not None else []
+    if "offline" in cfg.methods and inp.val_rows > 0:
+        def offline_rows() -> dict[str, Any]:
+            rows_acc, n_rows = run_offline_rows(draft, inp, ks, cfg.offline_max_rows, progress=progress)
+            return {"rows": n_rows, "acceptance": rows_acc[k].to_dict(),
+                    "sweep": {str(kk): a.to_dict() for kk, a in rows_acc.items()}}
+
+        rows = done.run("offline_rows", offline_rows, results)
+        results["offline_rows"] = rows
+        results["by_method"][OFFLINE_ROWS] = rows["acceptance"]
+        results["sweep"][OFFLINE_ROWS] = rows["sweep"]
+    continuations: list[list[int]] | None = None
+    if "embedded" in cfg.methods:
+        def embedded() -> dict[str, Any]:
+            workers = embedded_workers(target, device, len(prompts))
+            emb = run_embedded(target, draft, prompts, k, cfg.max_new_tokens, eos, progress=progress,
+                               workers=workers, load=(inp.model_dir, inp.checkpoint, device, dname))
+            return {**{key: v for key, v in emb.items() if key != "per_prompt"},
+                    "outputs": [r["output_ids"] for r in emb["per_prompt"]],
+                    "verified": [r["verified_ids"] for r in emb["per_prompt"]],
+                    "acceptances": [r["acceptance"] for r in emb["per_prompt"]]}
+
+        emb = done.run("embedded", embedded, results)
+        results[EMBEDDED] = {key: v for key, v in emb.items() if key not in ("outputs", "verified", "acceptances")}
+        results["by_method"][EMBEDDED] = emb["acceptance"]
+        categories = held_out_categories(inp, cfg.num_prompts) if tok is not None else None
+        if categories and len(categories) == len(emb.get("acceptances") or []):
+            results["embedded_by_category"] = by_category(categories, emb["acceptances"], k)
+        continuations = emb["verified"]
+        results["embedded_outputs"] = emb["outputs"]
+    if "offline" in cfg.methods:
+        def offline_heldout() -> dict[str, Any]:
+            conts = continuations
+            if conts is None:  # no decoder run: the target's plain greedy continuations
+                from eagle3lib.evaluate.decoder import greedy_generate
+
+                conts = [greedy_generate(target, p, cfg.max_new_tokens, eos or None)[0] for p in prompts]
+            sim = run_offline_continuations(target, draft, prompts, conts, ks)
+            return {str(kk): {n: a.to_dict() for n, a in parts.items()} for kk, parts in sim.items()}
+
+        held = done.run("offline_heldout", offline_heldout, results)
+        results["offline_heldout"] = held
+        results["by_method"][HELDOUT_ALL] = held[str(k)]["all"]
+        results["by_method"][HELDOUT_PATH] = held[str(k)]["path"]
+        results["sweep"][HELDOUT_PATH] = {str(kk): held[str(kk)]["path"] for kk in ks}
+        results["sweep"][HELDOUT_ALL] = {str(kk): held[str(kk)]["all"] for kk in ks}
+    target = None  # free it before vLLM starts
+    if "vllm" in cfg.methods:
+        live = done.run("vllm", lambda: run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
+                                                 dname, sweep=ks if cfg.vllm_sweep else None), results)
+        results[VLLM] = {key: v for key, v in live.items() if key not in ("outputs", "baseline_outputs", "sweep")}
+        results["by_method"][VLLM] = live["acceptance"]
+        if cfg.vllm_sweep:
+            results["sweep"][VLLM] = {str(kk): a for kk, a in live["sweep"].items()}
+        if "embedded_outputs" in results:
+            results[VLLM]["identical_to_embedded"] = count_identical(live["baseline_outputs"],
+                                                                       results["embedded_outputs"])
+    if "ngram" in cfg.methods:
+        ng = done.run("ngram", lambda: run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
+                                                 dname), results)
+        results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}
+        results["by_method"][NGRAM] = ng["acceptance"]
+        if "embedded_outputs" in results:
+            results["ngram"]["identical_to_embedded"] = count_identical(ng["outputs"], results["embedded_outputs"])
+    results["seconds"]["total"] = round(time.perf_counter() - t_all, 2)
+    atomic.write_json(stage.rd.path("eval", "results.json"), results)
+    done.clear()
+    return results
+
+

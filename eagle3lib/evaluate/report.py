@@ -1,0 +1,260 @@
+"""The run's report card: `report.md` at the run root, the page a person reads first.
+
+Why a separate module: it reads every manifest the run wrote (tolerating the optional ones that are missing, e.g.
+a run that skipped stage 03) and stage 06's results, and it must not fail a run because one number is absent.
+It reports what each stage recorded, never recomputes it: target, data, layer ids, extraction throughput, the
+training curves' summary, tau by method, speedup, versions and the wall time of every stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from eagle3lib import atomic
+from eagle3lib.evaluate.keys import EMBEDDED, HELDOUT_PATH, LIVE, NGRAM, OFFLINE_ROWS, VLLM
+from eagle3lib.rundir import RunDir, manifest_file
+from eagle3lib.stages import ALL_STAGES
+
+
+def per_position(acceptance: dict[str, Any]) -> str | None:
+    """Per-position acceptance rates as the report's tables write them ("0.61 / 0.39 / 0.27"); None without any."""
+    rates = acceptance.get("per_pos_rate")
+    return " / ".join(f"{r:.2f}" for r in rates) if rates else None
+
+
+def read_manifests(rd: RunDir | Path) -> dict[str, dict[str, Any]]:
+    """Every manifest present, by stage id, read as-is (no config-hash check: the report shows what is there)."""
+    root = rd.root if isinstance(rd, RunDir) else Path(rd)
+    out: dict[str, dict[str, Any]] = {}
+    for stage in ALL_STAGES:
+        path = manifest_file(root, stage)
+        if path.is_file():
+            try:
+                out[stage.id] = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+    return out
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "—"
+        return f"{v:,.{digits}f}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _divergence_lines(results: dict[str, Any]) -> list[str]:
+    """Why the embedded decoder's outputs differ from the target alone, where they do: each first difference was
+    checked against the target's logits (decoder.first_divergence)."""
+    emb = results.get(EMBEDDED) or {}
+    differ = (emb.get("prompts") or 0) - (emb.get("identical") or 0)
+    if not emb or differ <= 0:
+        return []
+    dtype = str(results.get("dtype")).removeprefix("torch.")
+    ties, otherwise = emb.get("differ_at_a_tie"), emb.get("differ_otherwise")
+    exact = dtype == "float32"
+    line = "" if exact else (f"In {dtype}, greedy decoding depends on the kernels: verifying k+1 tokens in one "
+                             "forward rounds differently from one token at a time, and a near-tie can then flip. ")
+    if ties is not None:
+        line += (f"Of the {differ} embedded outputs that differ from the target alone, **{ties} first differ at a "
+                 "rounding tie** (both tokens within rounding of the target's top logit there)")
+        line += "." if not otherwise else (f"; **{otherwise} do not: there the target does not rank the decoder's "
+                                           "token near the top, which is a decoder bug, not rounding** (see "
+                                           "`embedded.divergences` in eval/results.json).")
+    other = (results.get(VLLM) or {}).get("identical_to_embedded")
+    if other is not None:
+        line += f" vLLM's plain greedy and the embedded decoder agree on {other}/{emb.get('prompts')} prompts."
+    return [line + ("" if exact else " The decoder is exact in float32 (tests/unit/test_evaluate.py)."), ""]
+
+
+def summary_table(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: tau, tokens per step (live methods), draft acceptance rate, per-position rates, drafts:
+    the report card's acceptance table, and what notebook 06 shows."""
+    return [{"method": name, "tau": a["tau"], "tokens_per_step": a.get("tokens_per_step"),
+             "draft_acceptance_rate": a["draft_acceptance_rate"], "per_pos_rate": a["per_pos_rate"],
+             "drafts": a["drafts"]} for name, a in results.get("by_method", {}).items()]
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def curves_summary(path: Path) -> list[str]:
+    """A few lines from stage 05's curves.json: first and last validation acceptance length and loss, step count."""
+    try:
+        curves = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, TypeError):
+        return []
+    lines = []
+    val = curves.get("val") or []
+    steps = curves.get("steps") or []
+    if steps:
+        lines.append(f"- optimizer steps: {_fmt(steps[-1].get('step'))}; train loss "
+                     f"{_fmt(steps[0].get('loss'))} → {_fmt(steps[-1].get('loss'))}")
+    if val:
+        first, last = val[0], val[-1]
+        lines.append(f"- validation expected acceptance length: {_fmt(first.get('eal'))} "
+                     f"(epoch {first.get('epoch')}) → {_fmt(last.get('eal'))} (epoch {last.get('epoch')}); "
+                     f"loss {_fmt(first.get('loss'))} → {_fmt(last.get('loss'))}")
+    return lines
+
+
+def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> str:
+    man = read_manifests(rd)
+    m02 = man.get("02", {}).get("metrics", {})
+    o02 = man.get("02", {}).get("outputs", {})
+    latest = max(man.values(), key=lambda m: m.get("finished_at", "")) if man else {}
+    out: list[str] = [f"# Report card: run `{rd.cfg.run.name}`", ""]
+    out.append(f"Written {datetime.now(UTC).isoformat(timespec='seconds')} · git {latest.get('git_sha') or '—'} · "
+               f"host {latest.get('host') or '—'} · folder `{rd.root}`")
+    out.append("")
+    # headline
+    if results:
+        by = results.get("by_method", {})
+        head = [f"**k = {results.get('k')}**"]
+        for name in (VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
+            if name in by:
+                head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
+        ngram = by.get(NGRAM, {})
+        if ngram.get("tokens_per_step"):  # its tau counts only the steps where a match was found
+            head.append(f"n-gram lookup (no draft): **{ngram['tokens_per_step']:.2f}** tokens per target step")
+        for name in (VLLM, EMBEDDED):
+            r = results.get(name)
+            if r and r.get("speedup"):
+                head.append(f"speedup {name}: **×{r['speedup']:.2f}** ({r['identical']}/{r['prompts']} outputs "
+                            "identical to the target alone)")
+        out += [" · ".join(head), ""]
+    # target and data
+    out += ["## Target and data", ""]
+    rows = [["target", o02.get("model_dir") or rd.cfg.target.model],
+            ["decoder layers / hidden / vocab", f"{_fmt(m02.get('num_layers'))} / {_fmt(m02.get('hidden_size'))} / "
+                                                f"{_fmt(m02.get('vocab_size'))}"],
+            ["layer ids (aux + final)", m02.get("layer_ids")],
+            ["conversations (train rows / validation rows)",
+             f"{_fmt(m02.get('samples'))} ({_fmt(m02.get('train_rows'))} / {_fmt(m02.get('val_rows'))})"],
+            ["tokens captured", m02.get("tokens")],
+            ["hidden states on disk", f"{m02['bytes'] / 2**20:,.1f} MiB ({m02.get('dtype')})"
+                if isinstance(m02.get("bytes"), int | float) else None],
+            ["extraction throughput (tokens/s)", m02.get("tokens_per_s")]]
+    m04 = man.get("04", {}).get("metrics", {})
+    if m04:
+        rows.append(["draft vocabulary (coverage of train tokens)",
+                     f"{_fmt(m04.get('draft_vocab_size'))} ({_fmt(m04.get('coverage'))})"])
+    out += [_table(["", ""], rows), ""]
+    # training
+    m05 = man.get("05", {})
+    out += ["## Training (stage 05)", ""]
+    if m05:
+        curves = m05.get("outputs", {}).get("curves")
+        if curves:
+            out += curves_summary(rd.root / curves if not Path(curves).is_absolute() else Path(curves))
+        keep = {k: v for k, v in m05.get("metrics", {}).items() if not isinstance(v, dict | list) or k == "val_full_acc"}
+        if keep:
+            out += ["", _table(["metric", "value"], [[k, v] for k, v in keep.items()])]
+        out.append("")
+    else:
+        out += ["(stage 05 has not run)", ""]
+    # acceptance
+    out += ["## Acceptance (stage 06)", ""]
+    if results:
+        out.append(f"Prompts: {results.get('prompt_source')}; up to {results.get('max_new_tokens')} new tokens each, "
+                   f"greedy. τ = 1 + accepted / drafts; per-position rate = accepted at p / drafts; tokens per "
+                   f"step = generated / target forwards (live methods; the fair figure for n-gram lookup, whose τ "
+                   f"counts only the steps where it found a match and drafted).")
+        out.append("")
+        rows = [[r["method"], r["tau"], r["tokens_per_step"], r["draft_acceptance_rate"], per_position(r),
+                 r["drafts"]] for r in summary_table(results)]
+        out += [_table(["method", "τ", "tokens per step", "draft acceptance", "per position", "drafts"], rows), ""]
+        cats = results.get("embedded_by_category")
+        if cats:
+            out += ["τ by category of the held-out prompts (embedded decoder):", "",
+                    _table(["category", "prompts", "τ", "per position"],
+                           [[c, a["prompts"], a["tau"], per_position(a)]
+                            for c, a in cats.items()]), ""]
+        sweep = results.get("sweep", {})
+        if sweep:
+            ks = sorted({int(k) for s in sweep.values() for k in s})
+            out += ["τ vs k:", "", _table(["method"] + [f"k={k}" for k in ks],
+                                          [[n] + [s.get(str(k), {}).get("tau") for k in ks] for n, s in sweep.items()]),
+                    ""]
+        rows = []
+        for name in LIVE:
+            r = results.get(name)
+            if r:
+                rows.append([name, r.get("baseline_tokens_per_s"), r.get("spec_tokens_per_s"), r.get("speedup"),
+                             f"{r.get('identical')}/{r.get('prompts')}"])
+        if rows:
+            out += ["Speed (generated tokens/s, greedy, same prompts; embedded is batch 1, vLLM batches them all):",
+                    "", _table(["engine", "target alone", "with draft", "speedup", "identical outputs"], rows), ""]
+            out += _divergence_lines(results)
+        figs = sorted(rd.path("figures").glob("06_*.png"))
+        out += [f"![{f.stem}](figures/{f.name})" for f in figs]
+        out.append("")
+    else:
+        out += ["(stage 06 has not run)", ""]
+    # wall time
+    out += ["## Wall time of each stage", ""]
+    rows = []
+    for stage in ALL_STAGES:
+        m = man.get(stage.id)
+        if m:
+            rows.append([stage.key, m.get("seconds"), m.get("finished_at")])
+        elif stage.id == "06" and stage06_seconds is not None:
+            rows.append([stage.key, round(stage06_seconds, 2), "(this run, before its manifest)"])
+    total = sum(r[1] for r in rows if isinstance(r[1], int | float))
+    rows.append(["total", round(total, 2), ""])
+    out += [_table(["stage", "seconds", "finished"], rows), ""]
+    # versions
+    out += ["## Versions", ""]
+    vers = latest.get("versions", {})
+    out += [_table(["package", "version"], [["python", latest.get("python")]] + [[k, v] for k, v in vers.items()]), ""]
+    nbs = sorted(rd.path("notebooks").glob("*.ipynb"))
+    if nbs:
+        out += ["Executed notebooks: " + ", ".join(f"[{p.stem}](notebooks/{p.name})" for p in nbs), ""]
+    return "\n".join(out)
+
+
+def compare_runs(roots: list[Path]) -> str:
+    """One table across runs (drafts trained on different layers, data or settings; same held-out prompts when
+    they share stage 02's eval split), plus vLLM's n-gram lookup from the first run that measured it: what
+    `eagle3 compare` prints. Only recorded numbers; a stage a run lacks shows as —."""
+    rows, ngram = [], None
+    for root in roots:
+        man = read_manifests(root)
+        try:
+            results = json.loads((root / "eval" / "results.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            results = {}
+        by = results.get("by_method", {})
+        live = by.get(VLLM) or by.get(EMBEDDED) or {}
+        m05 = man.get("05", {}).get("metrics", {})
+        rows.append([root.name, (man.get("02", {}).get("metrics", {}).get("layer_ids") or [None])[:-1] or None,
+                     m05.get("val_eal"), by.get(EMBEDDED, {}).get("tau"), by.get(VLLM, {}).get("tau"),
+                     live.get("tokens_per_step"),
+                     per_position(live),
+                     man.get("05", {}).get("seconds"),
+                     round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None])
+        if ngram is None and NGRAM in by:
+            ng = by[NGRAM]
+            ngram = ["vLLM n-gram lookup (no draft)", None, None, None, ng["tau"], ng.get("tokens_per_step"),
+                     per_position(ng), None, None]
+    header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "tokens per step", "per position",
+              "train s", "stages s"]
+    note = ("τ = 1 + accepted / drafts (over the steps that drafted); tokens per step = generated / target forwards, "
+            "from vLLM where it ran, else the embedded decoder; per position = accepted at p / drafts.")
+    return "\n".join([_table(header, rows + ([ngram] if ngram else [])), "", note])
+
+
+def write_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> Path:
+    return atomic.write_text(rd.path("report.md"), build_report(rd, results, stage06_seconds))

@@ -1,0 +1,272 @@
+"""Stage 02, text generation with the target: one swappable generator (transformers | vLLM) behind a cached loop.
+
+Why a seam here: self-distillation and self-instruct both need "the target continues these texts", thousands of
+times on a GPU run. transformers `generate` (the default; no extra install, the reference) and one offline vLLM
+engine (`data.generator: vllm`, ~10-50x faster on a GPU: continuous batching, paged KV cache) are interchangeable:
+`generate(texts, temperature, max_new_tokens, seeds) -> [Reply]`. Everything around it — the resume cache, the
+progress bar and the tokens/s stats — is written once, in `generate_cached`.
+
+Texts are fully rendered prompts (chat template already applied, generation prompt or an open user turn included),
+so the generator never decides how a conversation is rendered. Each text carries a seed derived from its cache key;
+transformers seeds each batch with its first. vLLM ignores them and samples from the engine's seed (`run.seed`):
+per-request seeds put vLLM's sampler on a one-request-at-a-time loop (vllm/v1/sample/ops/topk_topp_sampler.py
+`random_sample`): self-instruct on the H200 ran at 5.5k tok/s with them, 9.6k without. A rerun of the same config
+reproduces the batches, and the cache keeps what a killed run generated.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from eagle3lib.config import WorkbookConfig
+from eagle3lib.device import on_cpu, resolve_devices, torch_dtype
+from eagle3lib.errors import WorkbookError
+
+
+@dataclass
+class Reply:
+    """One continuation: its text (special tokens dropped), new tokens generated, and whether it ended by itself
+    (end-of-turn token) rather than by the token limit — a cut-off user request is not a usable prompt."""
+
+    text: str
+    tokens: int
+    finished: bool
+
+
+class Generator(Protocol):
+    name: str
+    batch_size: int
+
+    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class TransformersGenerator:
+    """Batched `model.generate` with left padding; the model loads on the first call (a fully cached rerun never
+    loads it). One call = one padded batch: the caller chunks by `batch_size`."""
+
+    name = "transformers"
+
+    def __init__(self, cfg: WorkbookConfig, model_dir: Path, tok: Any):
+        self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
+        self.batch_size = cfg.data.gen_batch_size
+        self.model: Any = None
+
+    def _load(self) -> Any:
+        if self.model is None:
+            from transformers import AutoModelForCausalLM
+
+            device = resolve_devices(self.cfg.extract.devices)[0]
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(self.model_dir), dtype=torch_dtype(self.cfg.target.dtype, device),
+                trust_remote_code=self.cfg.target.trust_remote_code).to(device).eval()
+        return self.model
+
+    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        import torch
+
+        model, tok = self._load(), self.tok
+        tok.padding_side = "left"
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": tok.pad_token_id}
+        if temperature > 0:
+            torch.manual_seed(seeds[0] if seeds else self.cfg.run.seed)  # one generator per batch in transformers
+            kwargs.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        with torch.inference_mode():
+            out = model.generate(**enc, **kwargs)
+        new = out[:, enc["input_ids"].shape[1]:]
+        eos = {tok.eos_token_id, tok.pad_token_id} - {None}
+        replies = []
+        for row in new.tolist():
+            n = len(row)
+            while n and row[n - 1] == tok.pad_token_id:
+                n -= 1  # right padding of rows that finished early (pad is often eos: then eos is dropped too)
+            finished = n < len(row) or (n > 0 and row[n - 1] in eos)
+            replies.append(Reply(tok.decode(row[:n], skip_special_tokens=True).strip(), n, finished))
+        return replies
+
+    def close(self) -> None:
+        self.model = None
+        gc.collect()
+
+
+class VllmGenerator:
+    """One offline `vllm.LLM` engine, built like the capture backends' (eagle3lib.extract.backends.vllm_engine: in-process
+    on the CPU, a spawned engine process on a GPU, parallel sizes, memory share and seed from `extract.*`), started on
+    the first call. Prompts go in as token ids (no tokenizer in the engine); replies are decoded here."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: WorkbookConfig, model_dir: Path, tok: Any):
+        self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
+        # one LLM.generate call per chunk: the engine batches inside it; the cache is written after each chunk
+        self.batch_size = max(cfg.data.gen_batch_size, 256)
+        self.llm: Any = None
+        self.max_model_len = 0
+        self.start_s = 0.0
+
+    def _load(self) -> Any:
+        if self.llm is None:
+            from eagle3lib.extract.backends.vllm_engine import require_vllm
+
+            require_vllm("data.generator: vllm", "set data.generator: transformers")
+            from eagle3lib.extract.backends.adapters import check_cpu_support, select_adapter
+            from eagle3lib.extract.backends.vllm_engine import engine_kwargs, prepare_environment, start_engine
+            from eagle3lib.target import read_hf_config
+
+            t0 = time.perf_counter()
+            hf_config = read_hf_config(self.model_dir)
+            adapter = select_adapter(hf_config)
+            if on_cpu():
+                check_cpu_support(adapter, hf_config)
+            prepare_environment(self.cfg)
+            kwargs = engine_kwargs(self.cfg, self.model_dir, adapter)
+            # generation, not capture: no hooks, so CUDA graphs (decode of a small target is launch-bound) and
+            # prefix caching (shared system prompts, multi-turn histories) may run on a GPU
+            kwargs["enforce_eager"] = on_cpu()
+            kwargs["enable_prefix_caching"] = not on_cpu()
+            kwargs.update(self.cfg.data.gen_vllm_args)
+            self.max_model_len = int(kwargs["max_model_len"])
+            self.llm = start_engine(kwargs)
+            self.start_s = round(time.perf_counter() - t0, 2)
+        return self.llm
+
+    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        from vllm import SamplingParams
+
+        llm, tok = self._load(), self.tok
+        stop = sorted({tok.eos_token_id} - {None})
+        prompts, params, slots = [], [], []
+        replies: list[Reply] = [Reply("", 0, False) for _ in texts]
+        del seeds  # see the module docstring: per-request seeds make vLLM sample one request at a time
+        for i, text in enumerate(texts):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            room = min(max_new_tokens, self.max_model_len - len(ids))
+            if room <= 0:
+                continue  # the history alone fills max_model_len: nothing to generate (an empty, unfinished reply)
+            prompts.append({"prompt_token_ids": ids})
+            params.append(SamplingParams(temperature=temperature, top_p=1.0, max_tokens=room, stop_token_ids=stop,
+                                         detokenize=False))
+            slots.append(i)
+        if prompts:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if len(outs) != len(prompts):
+                raise WorkbookError(f"vLLM returned {len(outs)} outputs for {len(prompts)} prompts",
+                                    "report this as a bug")
+            for i, out in zip(slots, outs, strict=True):
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                replies[i] = Reply(tok.decode(ids, skip_special_tokens=True).strip(), len(ids),
+                                   c.finish_reason == "stop")
+        return replies
+
+    def close(self) -> None:
+        """Free the engine (and its GPU memory) before extraction loads the target again."""
+        if self.llm is not None:
+            from eagle3lib.extract.backends.vllm_engine import stop_engine
+
+            llm, self.llm = self.llm, None
+            stop_engine(llm)
+        gc.collect()
+
+
+def make_generator(cfg: WorkbookConfig, model_dir: Path, tok: Any) -> Generator:
+    """The generator `data.generator` names; nothing is loaded until the first `generate` call."""
+    if cfg.data.generator == "vllm":
+        return VllmGenerator(cfg, model_dir, tok)
+    return TransformersGenerator(cfg, model_dir, tok)
+
+
+# ------------------------------------------------------------------------------------------------------ the cache
+def cache_key(payload: Any, settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps([payload, settings], sort_keys=True).encode()).hexdigest()[:24]
+
+
+def key_seed(key: str, seed: int) -> int:
+    """A request's sampling seed: its cache key mixed with the run seed (independent of batch and order)."""
+    return (int(key[:8], 16) + seed * 1_000_003) % (2**31 - 1)
+
+
+def read_cache(path: Path) -> dict[str, dict[str, Any]]:
+    """Replies generated by earlier (possibly killed) runs, by key; a torn last line is ignored."""
+    out: dict[str, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                obj = json.loads(line)
+                if isinstance(obj["reply"], str):
+                    out[obj["key"]] = obj
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return out
+
+
+def new_stats() -> dict[str, Any]:
+    return {"generated": 0, "cached": 0, "new_tokens": 0, "seconds": 0.0}
+
+
+def finish_stats(stats: dict[str, Any], t0: float) -> dict[str, Any]:
+    stats["seconds"] = round(stats["seconds"] + time.time() - t0, 2)
+    stats["tokens_per_s"] = (round(stats["new_tokens"] / stats["seconds"], 1)
+                             if stats["seconds"] and stats["new_tokens"] else None)
+    return stats
+
+
+def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new_tokens: int, seed: int,
+                    cache: dict[str, dict[str, Any]], cache_path: Path, stats: dict[str, Any],
+                    bar: Any = None) -> dict[str, Reply]:
+    """Replies for (key, text, temperature) items: from `cache` where present, else generated — grouped by
+    temperature, sorted by length (little padding), in chunks of `gen.batch_size`, each chunk appended to
+    `cache_path` as soon as it is done (a killed run loses at most one chunk). Updates `stats` and `bar`."""
+    out: dict[str, Reply] = {}
+    todo = []
+    queued: set[str] = set()
+    for key, text, temp in items:
+        if key in cache:
+            c = cache[key]
+            out[key] = Reply(c["reply"], int(c.get("tokens", 0)), bool(c.get("finished", True)))
+            stats["cached"] += 1
+            if bar is not None:
+                bar.update(1)
+        elif key not in queued:  # the same history twice (a repeated prompt): generated once
+            queued.add(key)
+            todo.append((key, text, temp))
+    if not todo:
+        return out
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    todo.sort(key=lambda x: (x[2], len(x[1])))
+    t0 = time.time()
+    tokens0 = stats["new_tokens"]
+    with cache_path.open("a", encoding="utf-8") as cf:
+        start = 0
+        while start < len(todo):
+            temp = todo[start][2]
+            end = start
+            while end < len(todo) and end - start < gen.batch_size and todo[end][2] == temp:
+                end += 1
+            chunk = todo[start:end]
+            replies = gen.generate([t for _, t, _ in chunk], temp, max_new_tokens,
+                                   [key_seed(k, seed) for k, _, _ in chunk])
+            for (key, _, _), r in zip(chunk, replies, strict=True):
+                out[key] = r
+                cache[key] = {"key": key, "reply": r.text, "tokens": r.tokens, "finished": r.finished}
+                cf.write(json.dumps(cache[key], ensure_ascii=False) + "\n")
+                stats["generated"] += 1
+                stats["new_tokens"] += r.tokens
+            cf.flush()
+            if bar is not None:
+                bar.update(len(chunk))
+                bar.set_postfix_str(f"{(stats['new_tokens'] - tokens0) / max(time.time() - t0, 1e-9):.0f} tok/s")
+            start = end
+    return out

@@ -1,0 +1,103 @@
+"""What stage 05 reads from the run directory, and the check that it is all there before the Trainer starts.
+
+Stage 02's dataset + hidden-state shards (train rows first, then validation rows: the train ratio is derived so
+speculators' `int(n * ratio)` split lands exactly on stage 02's boundary), layer ids and target folder; stage 04's
+verifier folder (embed/lm_head/norm + config.json) and t2d/d2t maps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import RunDir
+
+
+@dataclass
+class TrainInputs:
+    dataset_dir: Path
+    train_rows: int
+    val_rows: int
+    aux_layer_ids: list[int]  # ids of the aux slots (the final layer's slot is not an aux id)
+    hidden_size: int
+    model_dir: Path  # the target checkpoint (what vLLM and the final config.json call the verifier)
+    verifier_dir: Path  # stage 04: the tensors speculators loads while training (embed, lm_head, norm + config.json)
+    t2d: torch.Tensor | None
+    d2t: torch.Tensor | None
+    draft_vocab_size: int
+
+    @property
+    def train_ratio(self) -> float:
+        """speculators splits at int(n * ratio): the +0.5 makes that land exactly on stage 02's boundary."""
+        return (self.train_rows + 0.5) / (self.train_rows + self.val_rows)
+
+
+def load_vocab_map(path: Path, key: str) -> torch.Tensor:
+    """t2d/d2t from .npy (speculators' own cache format) or .safetensors (key `key`, or the only tensor)."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        import numpy as np
+
+        return torch.from_numpy(np.load(path, allow_pickle=False))
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        data = load_file(str(path))
+        if key in data:
+            return data[key]
+        if len(data) == 1:
+            return next(iter(data.values()))
+        raise WorkbookError(f"{path} holds {sorted(data)} but no {key!r}", "rerun stage 04")
+    raise WorkbookError(f"{path}: unknown vocab-map format {path.suffix!r}", "stage 04 must write .npy or .safetensors")
+
+
+def inputs_from_run(rd: RunDir) -> TrainInputs:
+    """Everything stage 05 needs, read from the manifests of stages 02 and 04 (checked against the config)."""
+    m02 = rd.read_manifest("02")
+    m04 = rd.read_manifest("04")
+    metrics = m02["metrics"]
+    train_rows, val_rows = int(metrics["train_rows"]), int(metrics["val_rows"])
+    if val_rows < 1:
+        raise WorkbookError("stage 02 recorded no validation rows", "rerun stage 02 with data.val_fraction > 0")
+    t2d = d2t = None
+    if m04["outputs"].get("t2d") and m04["outputs"].get("d2t"):
+        t2d = load_vocab_map(rd.output("04", "t2d"), "t2d").to(torch.bool)
+        d2t = load_vocab_map(rd.output("04", "d2t"), "d2t").to(torch.long)
+    draft_vocab = int(m04["metrics"].get("draft_vocab_size") or (d2t.shape[0] if d2t is not None else 0))
+    model_dir = Path(m02["outputs"]["model_dir"])
+    verifier_dir = rd.output("04", "verifier_dir")
+    if not (verifier_dir / "config.json").is_file():
+        raise WorkbookError(f"stage 04's verifier folder {verifier_dir} has no config.json", "rerun stage 04")
+    return TrainInputs(
+        dataset_dir=rd.output("02", "dataset"), train_rows=train_rows, val_rows=val_rows,
+        aux_layer_ids=list(metrics["layer_ids"][:-1]), hidden_size=int(metrics["hidden_size"]),
+        model_dir=model_dir, verifier_dir=verifier_dir, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab)
+
+
+def check_shards(inp: TrainInputs, dtype: str, threads: int = 8) -> None:
+    """Every shard's header and token ids, before the Trainer starts (`shards.check_shard_header`, no states read).
+
+    Why: speculators meets a bad shard mid-epoch with a raw error (truncated or empty file: a SafetensorError from its
+    loader thread; missing: "Failed to load hidden states for sample i" with a split-relative i), or silently drops the
+    row (token ids that differ: only a warning). Here it is one line naming the shards and the fix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datasets import load_from_disk
+
+    from eagle3lib import shards
+
+    rows = load_from_disk(str(inp.dataset_dir)).with_format(None)["input_ids"]
+    spec = shards.ShardSpec(len(inp.aux_layer_ids) + 1, inp.hidden_size, shards.DTYPES[dtype])
+    with ThreadPoolExecutor(threads) as pool:
+        found = list(pool.map(lambda i: shards.check_shard_header(shards.shard_path(inp.dataset_dir, i), rows[i], spec),
+                              range(len(rows))))
+    bad = {i: p for i, p in enumerate(found) if p}
+    if bad:
+        first = "; ".join(f"hs_{i}: {', '.join(p)}" for i, p in list(bad.items())[:3])
+        raise WorkbookError(
+            f"{len(bad)} of {len(rows)} hidden-state shards in {shards.shard_dir(inp.dataset_dir)} are invalid "
+            f"(rows {sorted(bad)[:20]}{' ...' if len(bad) > 20 else ''}): {first}",
+            "rerun stage 02 (it keeps the valid shards and regenerates these), then stage 03 and 05")

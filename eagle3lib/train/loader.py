@@ -1,0 +1,116 @@
+"""The data path of stage 05: speculators' dataset, packing sampler and collate, in the workbook's DataLoader.
+
+speculators' ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn(shift_batch) are its own data pipeline;
+the DataLoader around them (`_counting_loader_class`) adds two things the stage needs: the real tokens of each batch
+(tokens/s on the bar and in the curves) and, on a GPU, the copy of the next batch to the device on a side stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from eagle3lib.config import TrainSection
+from eagle3lib.errors import WorkbookError
+from eagle3lib.train.inputs import TrainInputs
+from eagle3lib.train.settings import Resolved
+
+
+def _counting_loader_class():
+    """The loader class, built on first use by `make_loaders` (a function, so that a test can wrap the class:
+    tests/e2e/test_reliability.py stalls a training child at a fixed step through it)."""
+    from torch.utils.data import DataLoader
+
+    class CountingLoader(DataLoader):
+        """speculators' data path in a DataLoader that (1) remembers the real (non-padding) tokens of the batch it
+        last yielded, for tokens/s, and (2) on a GPU copies batch i+1 to the device on a side stream while the
+        trainer computes on batch i (the Trainer's own `.to(device)` is then a no-op): at ~270 MB per packed 8k batch
+        of an 8B target, a copy on the compute stream would cost ~10% of the step."""
+
+        last_tokens = 0
+        prefetch_device: torch.device | None = None
+
+        def _count(self, batch: dict[str, Any]) -> int:
+            return int((batch["document_ids"] != -1).sum())
+
+        def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+            device = self.prefetch_device
+            if device is None or device.type != "cuda":
+                for batch in super().__iter__():
+                    self.last_tokens = self._count(batch)
+                    yield batch
+                return
+            stream = torch.cuda.Stream(device)
+
+            def stage(batch: dict[str, Any]) -> tuple[dict[str, Any], Any, int]:
+                tokens = self._count(batch)  # on the host copy: no device sync
+                with torch.cuda.stream(stream):
+                    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                           for k, v in batch.items()}
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                return out, event, tokens
+
+            def finish(staged: tuple[dict[str, Any], Any, int]) -> dict[str, Any]:
+                out, event, tokens = staged
+                current = torch.cuda.current_stream(device)
+                current.wait_event(event)
+                for v in out.values():
+                    if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                        v.record_stream(current)
+                self.last_tokens = tokens
+                return out
+
+            pending = None
+            for batch in super().__iter__():
+                staged = stage(batch)
+                if pending is not None:
+                    yield finish(pending)
+                pending = staged
+            if pending is not None:
+                yield finish(pending)
+
+    return CountingLoader
+
+
+def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0):
+    """speculators' ArrowDataset + packing sampler + collate (its data path), in our DataLoader (token counting;
+    pinned memory only where there is a GPU to copy to)."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.dataloader import _worker_init_fn
+    from speculators.train.distributed import get_dp_rank, get_dp_size
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    dtype = getattr(torch, res.hidden_states_dtype)
+    loader_cls = _counting_loader_class()
+    loaders = []
+    for split in ("train", "val"):
+        ds = ArrowDataset(max_len=tcfg.packing_length, datapath=str(inp.dataset_dir), on_missing="raise",
+                          train_ratio=inp.train_ratio, split=split, hidden_states_dtype=dtype,
+                          model=str(inp.verifier_dir))
+        if ds.data.format.get("type") != "torch":  # speculators compares rows with torch.equal: needs tensors
+            ds.data = ds.data.with_format("torch")
+        sampler = MultipackDistributedBatchSamplerV2(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,
+                                                     num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed)
+        if len(sampler) == 0:  # else a later, vaguer failure (or a rank waiting forever for the others)
+            raise WorkbookError(
+                f"the {split} split (rows: {len(ds)}) gives this process (rank {get_dp_rank()} of {get_dp_size()}) no "
+                f"batch of up to {tcfg.packing_length} tokens",
+                "raise data.val_fraction or add data (every process needs rows of its own), or train on fewer processes")
+        workers = res.num_workers
+        loaders.append(loader_cls(
+            ds, batch_sampler=sampler, num_workers=workers,
+            prefetch_factor=tcfg.prefetch_factor if workers > 0 else None,
+            pin_memory=res.device == "cuda",
+            collate_fn=CollateFn(tcfg.packing_length, inp.hidden_size, num_target_layers=len(inp.aux_layer_ids),
+                                 dtype=dtype, preprocess=shift_batch),
+            persistent_workers=workers > 0, multiprocessing_context="spawn" if workers > 0 else None,
+            worker_init_fn=_worker_init_fn if workers > 0 else None))
+        if res.device == "cuda" and tcfg.device_prefetch:
+            from speculators.train.distributed import get_local_rank
+
+            loaders[-1].prefetch_device = torch.device("cuda", get_local_rank())
+    return loaders[0], loaders[1]

@@ -1,0 +1,237 @@
+"""Stage 05's training loop: speculators' Trainer, driven epoch by epoch by the workbook.
+
+Why not speculators' `run_training`: driving `Trainer.train_epoch` / `val_epoch` / `maybe_save_checkpoint` here lets
+the stage validate the UNTRAINED draft first (the baseline every later epoch must beat), draw one tqdm bar with
+tokens/s, and record per step and per epoch: loss per TTT step, full_acc_s, cond_acc_s and the expected acceptance
+length 1 + Σ_s full_acc_s (train and validation: eagle3lib.train.curves).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib import atomic
+from eagle3lib.config import TrainSection, WorkbookConfig
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import RunDir
+from eagle3lib.train.checkpoint import checkpoints_dir, draft_dir, finalize_checkpoint, prepare_checkpoint_dir
+from eagle3lib.train.curves import add_epoch, curve_point, start_curves
+from eagle3lib.train.inputs import check_shards, inputs_from_run
+from eagle3lib.train.loader import make_loaders
+from eagle3lib.train.settings import Resolved, resolve_settings
+from eagle3lib.train.speculators_glue import (
+    SCHEDULERS,
+    build_draft,
+    ensure_cpu_patch,
+    fused_adamw,
+    is_rank0,
+    quiet_bars_and_capture,
+)
+
+log = logging.getLogger("eagle3lib.train")
+
+
+def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
+          resolved: Resolved | None = None) -> dict[str, Any]:
+    """Train (or resume training) the draft for this run; returns the result dict (also written to draft/result.json).
+
+    Works in one process and under `torchrun` (speculators' DDP: `maybe_setup_distributed` reads LOCAL_RANK);
+    only rank 0 writes the curves and the result (the figure: eagle3lib.train.result.summarize).
+    """
+    from speculators.train.trainer import Trainer
+
+    cfg: WorkbookConfig = rd.cfg
+    tcfg = cfg.train
+    res = resolved or resolve_settings(tcfg, device)
+    patched = _setup_process(res, cfg.run.seed)
+    inp = inputs_from_run(rd)
+    check_shards(inp, rd.read_manifest("02")["metrics"].get("dtype", "bfloat16"))
+    save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
+
+    model, train_kwargs, val_kwargs, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)
+    if is_rank0():
+        spec_cfg.save(str(save_path))  # speculators' run.yaml + train_command.txt beside the checkpoints
+    train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed)
+    tconf = _trainer_config(tcfg, res, save_path, train_kwargs, val_kwargs)
+
+    curves_path = draft_dir(rd) / "curves.json"
+    with quiet_bars_and_capture() as capture:
+        with fused_adamw(res.device):
+            trainer = Trainer(model, tconf, train_loader, val_loader)
+        start_epoch = trainer.current_epoch
+        resumed = start_epoch > 0 or trainer.global_step > 0
+        curves = start_curves(curves_path, tcfg.ttt_steps, res, resumed=resumed, start_epoch=start_epoch,
+                              global_step=trainer.global_step)
+        if not resumed:
+            curves["val"].append(_validate_untrained(trainer, tcfg.ttt_steps))
+        recorder = _StepRecorder(trainer, train_loader, capture, curves, tcfg, show=progress and is_rank0())
+        last_saved = _train_epochs(trainer, tcfg, recorder, curves, curves_path, start_epoch,
+                                   trainer.checkpointer.previous_epoch if resumed else None)
+        recorder.close()
+        elapsed = recorder.elapsed()
+
+    if last_saved is None:
+        last_saved = trainer.checkpointer.previous_epoch
+    final = save_path / str(last_saved)
+    result: dict[str, Any] = {}
+    if is_rank0():
+        finalize_checkpoint(final, inp)
+        atomic.write_json(curves_path, curves)
+        result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, recorder.tokens,
+                         elapsed, tcfg.ttt_steps)
+        atomic.write_json(draft_dir(rd) / "result.json", result)
+    return result
+
+
+def _setup_process(res: Resolved, seed: int) -> bool:
+    """This process, before anything touches speculators' Trainer: warnings, the CPU patch, the seed and (under
+    torchrun) the process group. Returns whether the CPU patch was applied."""
+    from speculators.train import distributed
+    from speculators.train.cli import set_seed
+
+    if res.device == "cpu" and res.hidden_states_dtype == "float32":  # the Trainer's autocast is a no-op then
+        warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+    patched = ensure_cpu_patch(res.device)
+    set_seed(seed)
+    distributed.maybe_setup_distributed()  # looked up after the CPU patch, which sets it up on gloo
+    return patched
+
+
+def _barrier() -> None:
+    from speculators.train.distributed import is_distributed
+
+    if is_distributed():
+        torch.distributed.barrier()
+
+
+def _prepare_save_path(save_path: Path, tcfg: TrainSection, draft_vocab_size: int) -> Path:
+    """The checkpoints folder, cleaned of what an interrupted run left, before any rank looks for one to resume."""
+    save_path.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale_temps(save_path)
+    for name in prepare_checkpoint_dir(save_path, tcfg, draft_vocab_size):
+        log.warning("removed the half-written checkpoint %s/%s of an interrupted run", save_path, name)
+    _barrier()  # rank 0 cleaned up before any rank looks for a checkpoint
+    return save_path
+
+
+def _trainer_config(tcfg: TrainSection, res: Resolved, save_path: Path, train_kwargs: dict[str, Any],
+                    val_kwargs: dict[str, Any]):
+    """speculators' TrainerConfig from cfg.train: resume from the last checkpoint, log every step."""
+    from speculators.train.trainer import TrainerConfig
+
+    return TrainerConfig(
+        lr=tcfg.lr, num_epochs=tcfg.epochs, save_path=str(save_path), resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=tcfg.optimizer,
+        weight_decay=tcfg.weight_decay, scheduler_type=SCHEDULERS[tcfg.scheduler],  # type: ignore[arg-type]
+        scheduler_warmup_steps=tcfg.warmup_steps, checkpoint_freq=1,
+        hidden_states_dtype=getattr(torch, res.hidden_states_dtype), log_freq=1, max_steps=tcfg.max_steps)
+
+
+def _validate_untrained(trainer: Any, ttt_steps: int) -> dict[str, Any]:
+    """The untrained draft's validation: the baseline every later epoch must beat. (Sampler epoch 0: the packing
+    sampler's empty cache is keyed -1, and validation batches do not depend on the epoch anyway.)"""
+    untrained = trainer.val_epoch(0)
+    if not untrained:
+        raise WorkbookError("validating the untrained draft produced no batches",
+                            "check that stage 02's validation rows have hidden-state shards")
+    return {"epoch": -1, "step": 0, **curve_point(untrained, ttt_steps, "_epoch")}
+
+
+class _StepRecorder:
+    """Called after every optimizer step: records the step's loss, acceptance and tokens/s in the curves (rank 0)
+    and moves the tqdm bar. Its clock counts training time only (`restart` before each epoch)."""
+
+    def __init__(self, trainer: Any, loader: Any, capture: Any, curves: dict[str, Any], tcfg: TrainSection,
+                 show: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.trainer, self.loader, self.capture, self.curves = trainer, loader, capture, curves
+        self.ttt_steps = tcfg.ttt_steps
+        steps_per_epoch = len(loader)
+        total = steps_per_epoch * tcfg.epochs if tcfg.max_steps is None else min(tcfg.max_steps,
+                                                                                  steps_per_epoch * tcfg.epochs)
+        self.bar = tqdm(total=total, initial=min(trainer.global_step, total), desc="train draft", unit="step",
+                        disable=not show, dynamic_ncols=True)
+        self.t0 = self.t = time.perf_counter()
+        self.tokens = 0
+
+    def restart(self) -> None:
+        self.t = time.perf_counter()  # validation and saving are not training time
+
+    def on_step(self) -> None:
+        now = time.perf_counter()
+        n_tok = self.loader.last_tokens
+        dt = now - self.t
+        self.t = now
+        self.tokens += n_tok
+        records = self.capture.records
+        rec = records[-1] if records and "train" in records[-1] else None
+        if rec is not None and is_rank0():
+            summ = curve_point(rec["train"], self.ttt_steps)
+            self.curves["steps"].append({"step": self.trainer.global_step, "epoch": rec["epoch"], "lr": rec["lr"],
+                                         "tokens": n_tok, "tokens_per_s": n_tok / dt if dt > 0 else None, **summ})
+            self.bar.set_postfix(loss=f"{summ['loss']:.3f}", eal=f"{summ['eal']:.2f}",
+                                 tok_s=f"{self.tokens / max(now - self.t0, 1e-9):,.0f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _train_epochs(trainer: Any, tcfg: TrainSection, recorder: _StepRecorder, curves: dict[str, Any],
+                  curves_path: Path, start_epoch: int, last_saved: int | None) -> int | None:
+    """Epochs `start_epoch`.. until train.epochs or train.max_steps: train, checkpoint every save_every epochs,
+    validate every val_every epochs (both at the end), write the curves (rank 0). Returns the last epoch saved."""
+    for epoch in range(start_epoch, tcfg.epochs):
+        if tcfg.max_steps is not None and trainer.global_step >= tcfg.max_steps:
+            break
+        first_step = len(curves["steps"])
+        recorder.restart()
+        trainer.train_epoch(epoch, step_callback=recorder.on_step)
+        stopping = (epoch == tcfg.epochs - 1) or (tcfg.max_steps is not None
+                                                  and trainer.global_step >= tcfg.max_steps)
+        _barrier()
+        if (epoch + 1) % tcfg.save_every == 0 or stopping:
+            trainer.maybe_save_checkpoint(epoch)
+            last_saved = epoch
+        _barrier()
+        val = None
+        if (epoch + 1) % tcfg.val_every == 0 or stopping:
+            val = trainer.val_epoch(epoch)
+        _barrier()
+        if last_saved == epoch:
+            trainer.maybe_update_best(epoch, val)
+        if is_rank0():
+            add_epoch(curves, epoch, trainer.global_step, first_step, val)
+            atomic.write_json(curves_path, curves)
+        if stopping:
+            break
+    return last_saved
+
+
+def _result(final: Path, curves_path: Path, curves: dict[str, Any], res: Resolved, patched: bool, last_saved: int,
+            global_step: int, trained_tokens: int, elapsed: float, ttt_steps: int) -> dict[str, Any]:
+    """draft/result.json: the checkpoint, the headline numbers (validation EAL before and after training) and the
+    settings the run used."""
+    val_first = curves["val"][0] if curves["val"] else {}
+    val_last = curves["val"][-1] if curves["val"] else {}
+    return {
+        "checkpoint": str(final), "curves": str(curves_path), "resolved": asdict(res), "cpu_patch": patched,
+        "epochs_done": last_saved + 1, "global_step": global_step,
+        "val_eal_untrained": val_first.get("eal") if val_first.get("epoch") == -1 else None,
+        "val_eal": val_last.get("eal"), "val_loss": val_last.get("loss"),
+        "val_full_acc": [val_last.get(f"full_acc_{s}") for s in range(ttt_steps)],
+        "train_eal": curves["train_epochs"][-1]["eal"] if curves["train_epochs"] else None,
+        "tokens_per_s": trained_tokens / elapsed if elapsed > 0 and trained_tokens else None,
+        "train_seconds": round(elapsed, 2),
+    }

@@ -1,0 +1,145 @@
+"""Where stage 05 meets speculators 0.9: its typed config and draft model, and the small patches around its Trainer.
+
+What this module adds around speculators (and nothing else: no second EAGLE-3 implementation):
+  * `speculators_train_config` / `build_draft`: `Eagle3DraftModel.from_training_args` through speculators' own
+    `build_draft_model` (so every default — norm_before_fc, norm_output, sliding window, rope — is speculators'),
+    with every knob from `cfg.train`;
+  * `quiet_bars_and_capture`: speculators' per-step metric dicts routed to the stage, its rich bars silenced;
+  * `fused_adamw`: torch's fused AdamW kernel on a GPU;
+  * `ensure_cpu_patch`: the Trainer-on-CPU patch from the compat registry (docs/engines.md#speculators-trainer-on-the-cpu).
+Each patch is undone on exit (or revertible through eagle3lib.compat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib.config import TrainSection
+from eagle3lib.train.inputs import TrainInputs
+from eagle3lib.train.settings import Resolved
+
+LOSS_NAMES = {"kl": "kl_div", "ce": "ce"}
+SCHEDULERS = {"constant": "none", "linear": "linear", "cosine": "cosine"}
+
+
+def speculators_train_config(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int):
+    """speculators' own typed TrainConfig (its defaults fill every field we do not set)."""
+    from speculators.train.config import TrainConfig
+
+    flat: dict[str, Any] = {
+        "speculator_type": "eagle3", "seed": seed,
+        "verifier_name_or_path": str(inp.verifier_dir), "target_layer_ids": inp.aux_layer_ids,
+        "num_layers": tcfg.num_layers, "draft_vocab_size": inp.draft_vocab_size, "draft_attn_impl": res.attn_impl,
+        "mask_token_id": 0,  # unused by eagle3; set so no tokenizer is needed beside the verifier tensors
+        "data_path": str(inp.dataset_dir), "total_seq_len": tcfg.packing_length,
+        "train_data_ratio": inp.train_ratio, "hidden_states_dtype": res.hidden_states_dtype,
+        "num_workers": res.num_workers, "prefetch_factor": tcfg.prefetch_factor,
+        "loss_implementation": res.loss_implementation, "loss_fn": LOSS_NAMES[tcfg.loss],
+        "ttt_steps": tcfg.ttt_steps, "ttt_step_loss_decay": tcfg.step_loss_decay,
+        "optimizer": tcfg.optimizer, "lr": tcfg.lr, "weight_decay": tcfg.weight_decay,
+        "scheduler_type": SCHEDULERS[tcfg.scheduler], "scheduler_warmup_steps": tcfg.warmup_steps,
+        "epochs": tcfg.epochs, "max_steps": tcfg.max_steps, "save_path": str(save_path), "checkpoint_freq": 1,
+    }
+    return TrainConfig.from_flat(flat)
+
+
+def build_draft(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int = 0):
+    """`Eagle3DraftModel.from_training_args` via speculators' `build_draft_model` (verifier config, layer config,
+    vocab maps, verifier weights — all speculators' code). Returns (model, train_kwargs, val_kwargs, args)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import build_draft_model
+
+    spec_cfg = speculators_train_config(inp, tcfg, res, save_path, seed)
+    args = argparse.Namespace(**spec_cfg.flatten())
+    model = build_draft_model(args, Eagle3DraftModel, inp.t2d, inp.d2t, inp.draft_vocab_size)
+    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**vars(args))
+    return model, train_kwargs, val_kwargs, spec_cfg
+
+
+def is_rank0() -> bool:
+    """Rank 0 of speculators' process group (or the only process): the one that writes curves, figures and results."""
+    from speculators.train.distributed import get_rank
+
+    return get_rank() == 0
+
+
+class _MetricCapture(logging.Handler):
+    """Receives what speculators' Trainer logs on 'speculators.metrics' (a dict per step / per validation)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, dict):
+            self.records.append(record.msg)
+
+
+@contextmanager
+def quiet_bars_and_capture() -> Iterator[_MetricCapture]:
+    """Route speculators' per-step metric dicts to us, and replace its rich per-epoch bars with a passthrough (our
+    tqdm bar shows the run instead)."""
+    import speculators.train.trainer as trainer_mod
+
+    capture = _MetricCapture()
+    mlog = logging.getLogger("speculators.metrics")
+    old = (mlog.level, mlog.propagate, trainer_mod.tqdm)
+    mlog.setLevel(logging.INFO)
+    mlog.propagate = False
+    mlog.addHandler(capture)
+    trainer_mod.tqdm = lambda it, *a, **k: it  # type: ignore[assignment]
+    try:
+        yield capture
+    finally:
+        mlog.removeHandler(capture)
+        mlog.setLevel(old[0])
+        mlog.propagate = old[1]
+        trainer_mod.tqdm = old[2]
+
+
+@contextmanager
+def fused_adamw(device: str) -> Iterator[None]:
+    """On a GPU, speculators' AdamW runs as torch's fused kernel (one launch for every parameter instead of a
+    foreach loop; the 70.1k tok/s on the H200 in docs/engines.md#h200-training-throughput were measured with it).
+    speculators builds a plain AdamW inside `Trainer.__init__`; the flags are flipped on that fresh optimizer, before
+    the Trainer loads a checkpoint's optimizer state, so resumed step counters land on the GPU as the fused kernel
+    needs."""
+    if device != "cuda":
+        yield
+        return
+    import speculators.train.trainer as trainer_module
+
+    original = trainer_module.build_optimizers
+
+    def build(model: Any, config: Any) -> list[torch.optim.Optimizer]:
+        optimizers = original(model, config)
+        for opt in optimizers:
+            if type(opt) is torch.optim.AdamW:
+                opt.defaults.update(fused=True, foreach=False)
+                for group in opt.param_groups:
+                    group.update(fused=True, foreach=False)
+                opt._step_supports_amp_scaling = True  # what AdamW(fused=True) sets
+        return optimizers
+
+    trainer_module.build_optimizers = build
+    try:
+        yield
+    finally:
+        trainer_module.build_optimizers = original
+
+
+def ensure_cpu_patch(device: str) -> bool:
+    """Apply the speculators-Trainer-on-CPU patch from the compat registry when this machine needs it."""
+    if device != "cpu":
+        return False
+    from eagle3lib.compat import apply_patch
+    from eagle3lib.compat.speculators_trainer_cpu import NAME
+
+    return apply_patch(NAME)

