@@ -17,7 +17,7 @@ from pathlib import Path
 from eagle3lib import atomic
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
-from eagle3lib.extract.prepare import bundled_prompts_path
+from eagle3lib.extract.estimate import estimate_data
 from eagle3lib.rundir import StageResult, StageRun
 from eagle3lib.target import TargetInfo, describe_target, resolve_layer_ids, resolve_model_path
 
@@ -75,26 +75,37 @@ def host_report() -> dict[str, object]:
     return {"cpus": os.cpu_count(), "ram_gib": round(pages / 2**30, 1), "platform": platform.platform()}
 
 
-def planned_samples(cfg: WorkbookConfig) -> int:
-    """How many conversations stage 02 will process, as far as it can be known before loading data."""
-    if cfg.data.num_samples is not None:
-        return cfg.data.num_samples + cfg.data.eval_samples
-    total = 0
-    for src in cfg.data.sources:
-        if src.limit is not None:
-            total += src.limit
-        elif src.kind == "bundled" and bundled_prompts_path().is_file():
-            total += sum(1 for line in bundled_prompts_path().open() if line.strip())
-        elif src.kind == "jsonl" and src.path and Path(src.path).is_file():
-            total += sum(1 for line in Path(src.path).open() if line.strip())
-        else:
-            total += 10_000  # unknown size: a conservative guess, stated as such in the table
-    return total
-
-
 def extraction_bytes_per_token(info: TargetInfo, n_aux: int, dtype: str) -> int:
     """(aux layers + 1 final) × hidden × bytes: e.g. 4 × 7168 × 2 ≈ 57 KB/token for a Kimi-K2.5-sized target."""
     return (n_aux + 1) * info.hidden_size * BYTES_PER_DTYPE[dtype]
+
+
+def disk_check(cfg: WorkbookConfig, model_dir: Path, info: TargetInfo, n_aux: int, run_root: Path,
+               facts: dict[str, object]) -> Check:
+    """Will stage 02's hidden states fit? Fails only when the estimate (eagle3lib.extract.estimate: the lengths
+    known before generation, replies counted at their token limit) exceeds the free space; warns when the upper
+    bound (every row at data.max_length) or the estimate comes within 10% of it. Stage 02 checks again with the real
+    token count before its first shard, so a warning costs nothing but a look."""
+    est = estimate_data(cfg, model_dir)
+    per_token = extraction_bytes_per_token(info, n_aux, cfg.extract.dtype)
+    need, bound = est.tokens * per_token, est.upper_bound_tokens * per_token
+    run_root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(run_root).free
+    facts["disk"] = {"bytes_per_token": per_token, "planned_samples": est.rows, "estimated_tokens": est.tokens,
+                     "estimated_bytes": need, "upper_bound_bytes": bound, "free_bytes": free,
+                     "sources": est.per_source}
+    guessed = [s["kind"] for s in est.per_source if not s["known"]]
+    detail = (f"≈ {need / 1e9:.2f} GB estimated for {est.rows} rows (≈ {est.tokens / max(est.rows, 1):.0f} tokens "
+              f"each × {per_token / 1e3:.1f} KB/token), ≤ {bound / 1e9:.2f} GB if every row reached "
+              f"data.max_length={cfg.data.max_length}; {free / 1e9:.1f} GB free at {run_root}")
+    if guessed:
+        detail += f" (size of {', '.join(guessed)} sources unknown before stage 02: counted at max_length)"
+    if need > free:
+        return Check("disk for hidden states", "fail", detail + " — fix: free disk space, set run.output_root to a "
+                     "bigger disk, or use fewer rows (data.num_samples, data.sources[].limit)")
+    tight = max(need, bound) >= 0.9 * free
+    return Check("disk for hidden states", "warn" if tight else "pass",
+                 detail + ("; stage 02 checks the real size before its first shard" if tight else ""))
 
 
 def check_environment(cfg: WorkbookConfig, run_root: Path) -> tuple[list[Check], dict[str, object]]:
@@ -151,16 +162,7 @@ def check_environment(cfg: WorkbookConfig, run_root: Path) -> tuple[list[Check],
             checks.append(Check("draft vocab", "warn", f"draft_vocab_size {cfg.verifier.draft_vocab_size} > target "
                                 f"vocab {info.vocab_size}: clipped to {info.vocab_size}"))
         if ids is not None:
-            n_samples = planned_samples(cfg)
-            per_token = extraction_bytes_per_token(info, len(ids) - 1, cfg.extract.dtype)
-            need = n_samples * cfg.data.max_length * per_token
-            run_root.mkdir(parents=True, exist_ok=True)
-            free = shutil.disk_usage(run_root).free
-            facts["disk"] = {"bytes_per_token": per_token, "planned_samples": n_samples,
-                             "upper_bound_bytes": need, "free_bytes": free}
-            detail = (f"≤ {need / 1e9:.2f} GB for {n_samples} samples × ≤ {cfg.data.max_length} tokens × "
-                      f"{per_token / 1e3:.1f} KB/token; {free / 1e9:.1f} GB free at {run_root}")
-            checks.append(Check("disk for hidden states", "pass" if need < 0.9 * free else "fail", detail))
+            checks.append(disk_check(cfg, model_dir, info, len(ids) - 1, run_root, facts))
     checks.append(Check("trust_remote_code", "warn" if cfg.target.trust_remote_code else "pass",
                         "ON: the checkpoint's own Python code will run" if cfg.target.trust_remote_code else "off"))
     return checks, facts

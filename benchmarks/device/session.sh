@@ -9,7 +9,8 @@
 #            what it had: the results' JSON, the runs' small files (runs.tgz) and the logs (logs.tgz)
 # STEPS (for launch; default "recipe_ab"), in order:
 #   recipe      GPU 0: configs/smollm2-h200.yaml, stages 00-06 (issue 12) | GPU 1: the same data with the draft on
-#               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12)
+#               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12); on one
+#               GPU the recipe alone
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
 #               stages 02-04 (forked once they exist) trained with AB_PARAMS and evaluated offline + embedded (A/B)
 #   benchmarks  GPU 0: the small run's stages 00-04 (bundled x8 + 4,000 self-instruct prompts, ~5 min), the
@@ -95,10 +96,15 @@ plan)
   for s in $STEPS; do
     case "$s" in
     recipe)
-      step "recipe (GPU 0) | EAGLE-1 style (GPU $g1)"
-      run_on 0 recipe --run "$RUN" &
-      run_on "$g1" eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[29]" -p "evaluate.methods=[offline, embedded, vllm]" &
-      wait
+      if [ "$g1" = 0 ]; then  # one GPU (and one 64 GB disk): the recipe alone, its clock undisturbed
+        step "recipe (GPU 0)"
+        run_on 0 recipe --run "$RUN"
+      else
+        step "recipe (GPU 0) | EAGLE-1 style (GPU $g1)"
+        run_on 0 recipe --run "$RUN" &
+        run_on "$g1" eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[29]" -p "evaluate.methods=[offline, embedded, vllm]" &
+        wait
+      fi
       ;;
     benchmarks)
       step "small run, generator settings, arm a (GPU 0) | vLLM prefill/native/worker, arm b: $AB_PARAMS (GPU $g1)"

@@ -292,6 +292,34 @@ def disk_full_error(dataset_dir: Path, input_ids: list[list[int]], spec: shards.
         "already written are kept")
 
 
+def require_disk(dataset_dir: Path, input_ids: list[list[int]], todo: list[int], spec: shards.ShardSpec) -> None:
+    """Before the first shard: the rows still to extract must fit the free space (their real token count × bytes per
+    token, plus the table), else one error saying how many of them fit. Nothing is written before it, and the
+    replies stage 02 generated are cached, so the rerun after freeing space starts where this one stopped."""
+    per_token = bytes_per_token(spec)
+    margin = 1_000_000 + 16 * sum(len(r) for r in input_ids)  # the table (int64 input_ids + loss_mask), token_freq
+    need = sum(len(input_ids[i]) for i in todo) * per_token + margin
+    free = shutil.disk_usage(dataset_dir).free
+    if need <= free:
+        return
+    room, fit = free - margin, 0
+    for i in todo:
+        room -= len(input_ids[i]) * per_token
+        if room < 0:
+            break
+        fit += 1
+    kept = len(input_ids) - len(todo)
+    raise WorkbookError(
+        f"the hidden states of the {len(todo)} rows still to extract need {_size(need)} and {_size(free)} is free at "
+        f"{dataset_dir}: {fit} of them fit",
+        f"free at least {_size(need - free)}, set run.output_root to a bigger disk, or lower data.num_samples to "
+        f"about {kept + fit}; rerun (the generated replies are cached)")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
 def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
             input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
             backend: Any | None = None) -> dict[str, Any]:
@@ -323,6 +351,8 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
     keep = valid_shards(dataset_dir, input_ids, spec, cfg.extract.writer_threads)
     todo = [i for i in range(len(input_ids)) if i not in keep]
     todo_tokens = sum(len(input_ids[i]) for i in todo)
+    if todo:
+        require_disk(dataset_dir, input_ids, todo, spec)
     metrics: dict[str, Any] = {"resumed_shards": len(keep), "computed_shards": len(todo), "computed_tokens": todo_tokens,
                                "tokens_per_s": None, "load_seconds": 0.0, "capture_seconds": 0.0}
     if todo:

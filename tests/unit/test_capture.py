@@ -135,6 +135,30 @@ def test_resume_keeps_valid_shards_and_redoes_broken_ones(tmp_path, tiny_llama_d
         torch.testing.assert_close(shards.read_shard(p)["hidden_states"], ref, rtol=1e-4, atol=1e-5)
 
 
+def test_rows_that_do_not_fit_the_free_disk_stop_before_the_first_shard(tmp_path, tiny_llama_dir, monkeypatch):
+    """Stage 02's second disk check, with the real token count: a free space that holds 4 of 10 rows' shards stops
+    the extraction before anything is written, saying how many fit; with the space back, the same call runs."""
+    from collections import namedtuple
+
+    cfg = tiny_cfg(tiny_llama_dir)
+    rows = random_rows(10)
+    ids = [t for _, t in rows]
+    masks = [[1] * len(t) for t in ids]
+    ddir = tmp_path / "dataset"
+    per_token = capture.bytes_per_token(capture.shard_spec(cfg, LAYER_IDS, 64))
+    margin = 1_000_000 + 16 * sum(len(t) for t in ids)
+    free = margin + per_token * sum(len(t) for t in ids[:4]) + per_token // 2  # rows 0-3 fit, row 4 does not
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(capture.shutil, "disk_usage", lambda path: usage(10 * free, 9 * free, free))
+    with pytest.raises(WorkbookError) as err:
+        capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, masks, progress=False)
+    msg = str(err.value)
+    assert "the 10 rows still to extract need" in msg and "4 of them fit" in msg and "data.num_samples" in msg
+    assert "\n" not in msg and not list(shards.shard_dir(ddir).glob("*"))
+    monkeypatch.undo()
+    assert capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, masks, progress=False)["computed_shards"] == 10
+
+
 # ------------------------------------------------------------------------------------- real SmolLM2 stage runs
 def conversations_jsonl(path: Path, n: int) -> Path:
     topics = ["rivers", "stars", "bread", "trains", "music", "chess", "rain", "bees"]

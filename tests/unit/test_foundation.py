@@ -193,8 +193,40 @@ def test_runner_bad_input_one_line(params, expected, out_root):
 
 def test_stage_00_fails_the_run_when_disk_estimate_exceeds_free_space(out_root, smollm2_dir):
     proc = _eagle3("run", "--config", "configs/demo.yaml", "--run", "huge", "--stages", "00", "-q",
-                   "-p", f"run.output_root={out_root}", "-p", "data.num_samples=100000000",
-                   "-p", "data.max_length=100000")
+                   "-p", f"run.output_root={out_root}", "-p", "data.num_samples=null",
+                   "-p", "data.sources=[{kind: bundled}, {kind: self_instruct, limit: 100000000}]")
     assert proc.returncode == 1
     assert "stage 00_environment failed" in proc.stderr and "disk for hidden states" in proc.stderr
     assert not (out_root / "huge/manifests/00_environment.json").exists()
+
+
+def test_disk_estimate_counts_known_lengths_and_warns_only_on_the_upper_bound(out_root, smollm2_dir):
+    """The estimate follows the data (the bundled prompts tokenized, each reply at most gen_max_new_tokens, the
+    held-out prompts left out, replies multiplying rows); a max_length whose upper bound exceeds the free space
+    warns, it does not fail."""
+    import shutil
+
+    from eagle3lib.environment import check_environment
+    from eagle3lib.extract.estimate import estimate_data
+    from eagle3lib.extract.prepare import bundled_prompts_path, read_jsonl
+
+    cfg = load_config(REPO_ROOT / "configs/demo.yaml", [f"run.output_root={out_root}", "data.num_samples=null"])
+    est = estimate_data(cfg, smollm2_dir)
+    rows = len(read_jsonl(bundled_prompts_path())) - cfg.data.eval_samples
+    assert est.rows == rows and est.upper_bound_tokens == rows * cfg.data.max_length
+    assert rows * cfg.data.gen_max_new_tokens < est.tokens < rows * (cfg.data.gen_max_new_tokens + 200)
+    capped = estimate_data(load_config(REPO_ROOT / "configs/demo.yaml", ["data.num_samples=10"]), smollm2_dir)
+    assert capped.rows == 10
+    tripled = estimate_data(load_config(REPO_ROOT / "configs/demo.yaml", [
+        "data.num_samples=null", "data.sources=[{kind: bundled, replies: 3}]", "data.gen_temperatures=[0.0, 0.7]"]),
+        smollm2_dir)
+    assert tripled.rows == 3 * rows and tripled.tokens == 3 * est.tokens
+
+    free = shutil.disk_usage(out_root).free
+    max_length = int(2 * free / (rows * 4 * 576 * 2)) + 1  # rows x max_length x 4.6 KB/token = twice the free space
+    cfg = load_config(REPO_ROOT / "configs/demo.yaml", [f"run.output_root={out_root}", "data.num_samples=null",
+                                                         f"data.max_length={max_length}"])
+    checks, facts = check_environment(cfg, out_root / "warn")
+    disk = next(c for c in checks if c.name == "disk for hidden states")
+    assert disk.status == "warn" and "stage 02 checks the real size" in disk.detail, disk
+    assert facts["disk"]["upper_bound_bytes"] > free > facts["disk"]["estimated_bytes"]
