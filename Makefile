@@ -2,7 +2,7 @@
 VENV ?= .venv
 CONFIG ?= configs/demo.yaml
 
-.PHONY: demo test lab lint install
+.PHONY: demo test lab lint install browser
 
 install:
 	bash scripts/install.sh $(VENV)
@@ -10,7 +10,10 @@ install:
 demo: install   ## the whole pipeline, headless, on the embedded default (SmolLM2-135M on the CPU)
 	$(VENV)/bin/eagle3 run --config $(CONFIG)
 
-test: install   ## the test suite (what CI runs)
+browser:        ## Debian's chromium for the JupyterLab browser test (root installs it; anyone else is told how)
+	bash scripts/install-browser.sh
+
+test: install browser   ## the whole test suite, the browser test included (what CI runs)
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 lab: install    ## the workbook in JupyterLab (127.0.0.1, with a token)

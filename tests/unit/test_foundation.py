@@ -170,7 +170,9 @@ def test_runner_executes_stage_00_headless(out_root, smollm2_dir):
     assert any("environment OK" in str(o) for c in executed.cells for o in c.get("outputs", []))
     env = json.loads((run / "environment.json").read_text())
     assert env["target"]["num_layers"] == 30 and env["layer_ids"] == [2, 15, 27, 30]
-    assert json.loads((run / "manifests/00_environment.json").read_text())["metrics"]["fails"] == 0
+    metrics = json.loads((run / "manifests/00_environment.json").read_text())["metrics"]
+    assert metrics["fails"] == 0 and metrics["box_tokens_per_s"] == env["box"]["tokens_per_s"] > 0
+    assert any(c["name"] == "box speed" and c["status"] == "pass" for c in env["checks"])
 
 
 @pytest.mark.parametrize(
