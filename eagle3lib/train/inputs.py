@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3lib import shards
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import RunDir
 
@@ -31,8 +32,8 @@ class TrainInputs:
 
     @property
     def train_ratio(self) -> float:
-        """speculators splits at int(n * ratio): the +0.5 makes that land exactly on stage 02's boundary."""
-        return (self.train_rows + 0.5) / (self.train_rows + self.val_rows)
+        """The ratio speculators splits the dataset at, landing on stage 02's train/val boundary (shards.train_ratio)."""
+        return shards.train_ratio(self.train_rows, self.val_rows)
 
 
 def load_vocab_map(path: Path, key: str) -> torch.Tensor:
@@ -86,8 +87,6 @@ def check_shards(inp: TrainInputs, dtype: str, threads: int = 8) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from datasets import load_from_disk
-
-    from eagle3lib import shards
 
     rows = load_from_disk(str(inp.dataset_dir)).with_format(None)["input_ids"]
     spec = shards.ShardSpec(len(inp.aux_layer_ids) + 1, inp.hidden_size, shards.DTYPES[dtype])
