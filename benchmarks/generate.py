@@ -42,9 +42,9 @@ def log(msg: str) -> None:
 
 
 def prompts(tok: Any, n: int) -> list[str]:
-    from eagle3lib.extract import prepare
+    from eagle3lib.extract import sources
 
-    recs = prepare.read_jsonl(prepare.bundled_prompts_path())
+    recs = sources.read_jsonl(sources.bundled_prompts_path())
     out = []
     for i in range(n):
         msgs = [dict(m) for m in recs[i % len(recs)]["messages"] if m["role"] != "assistant"][:1]

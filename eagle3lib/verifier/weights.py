@@ -277,9 +277,23 @@ def read_head(verifier_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, flo
         keys = set(f.keys())
         norm = f.get_tensor(NORM_KEY)
         head = f.get_tensor(LM_HEAD_KEY if LM_HEAD_KEY in keys else EMBED_KEY)  # absent = tied to the embedding
-    text = json.loads((verifier_dir / "config.json").read_text())
-    text = text.get("text_config") or text
-    return norm.float(), head.float(), float(text.get("rms_norm_eps", 1e-6))
+    return norm.float(), head.float(), rms_eps(json.loads((verifier_dir / "config.json").read_text()))
+
+
+def rms_eps(cfg: dict[str, Any]) -> float:
+    """The final RMSNorm's epsilon from a (wrapper's or text) config.json."""
+    text = cfg.get("text_config") or cfg
+    return float(text.get("rms_norm_eps", 1e-6))
+
+
+def read_checkpoint_head(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(embedding, final norm weight, lm_head weight, rms eps) straight from the checkpoint, before stage 04 ran:
+    what stage 02's capture probe needs (eagle3lib.extract.probe). The same resolution as the verifier folder
+    (`read_verifier_tensors`); the matrices stay in their stored dtype (eagle3lib.head converts them by chunks)."""
+    vt = read_verifier_tensors(model_dir)
+    cfg_path = Path(model_dir) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    return vt.embed, vt.norm.float(), vt.lm_head, rms_eps(cfg)
 
 
 # --------------------------------------------------------------------------------------------------------------

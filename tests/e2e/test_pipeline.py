@@ -70,6 +70,7 @@ def test_training_and_evaluation_results(pipeline_run):
     assert ev["embedded_identical"] == "2/2"  # lossless: the same tokens as the target's own greedy decoding
     report = (pipeline_run / "report.md").read_text()
     assert "embedded" in report and "[2, 15, 27, 30]" in report
+    assert "capture probe passed (transformers, 4 rows" in report  # stage 02's probe, in one line
     assert "vllm n-gram (no draft)" in ev["tau"] and "vllm n-gram (no draft)" in report  # the draft-free baseline
     results = json.loads((pipeline_run / "eval" / "results.json").read_text())
     assert results["ngram"]["identical_to_embedded"] == 2  # n-gram lookup is lossless too

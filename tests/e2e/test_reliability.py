@@ -384,7 +384,7 @@ def test_the_shipped_configs_pass_the_new_checks(tmp_path, smollm2_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Bad data: property-based (hypothesis) against eagle3lib.extract.prepare.normalize_record / read_jsonl
+# Bad data: property-based (hypothesis) against eagle3lib.extract.sources.normalize_record / read_jsonl
 # (prompts with no assistant turn and self-distillation off: tests/unit/test_data.py; over-long conversations are
 # truncated to data.max_length by design, tests/unit/test_data.py::test_loss_mask_covers_exactly_the_assistant_turns...)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -392,11 +392,11 @@ def test_the_shipped_configs_pass_the_new_checks(tmp_path, smollm2_dir):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from eagle3lib.extract import prepare  # noqa: E402
+from eagle3lib.extract import sources  # noqa: E402
 
 CANONICAL = {"system", "user", "assistant"}
 text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() != "")
-role_names = st.sampled_from(sorted(prepare.ROLE_ALIASES)).flatmap(
+role_names = st.sampled_from(sorted(sources.ROLE_ALIASES)).flatmap(
     lambda r: st.sampled_from([r, r.upper(), r.capitalize()]))
 
 
@@ -411,7 +411,7 @@ def valid_records(draw):
     rec = {key: [{rk: r, ck: c} for r, c in turns]}
     if draw(st.booleans()):
         rec["category"] = draw(st.sampled_from(["code", "math", None]))
-    return rec, [(prepare.ROLE_ALIASES[r.lower()], c) for r, c in turns]
+    return rec, [(sources.ROLE_ALIASES[r.lower()], c) for r, c in turns]
 
 
 def _break(rec: dict, how: str, j: int, junk: str) -> tuple[object, str]:
@@ -443,7 +443,7 @@ def _break(rec: dict, how: str, j: int, junk: str) -> tuple[object, str]:
 
 BREAKS = ["unknown role", "empty turn", "content not text", "turn not an object", "no turns", "no user turn",
           "no messages field", "not an object"]
-junk_role = st.text(max_size=12).filter(lambda r: r.lower() not in prepare.ROLE_ALIASES)
+junk_role = st.text(max_size=12).filter(lambda r: r.lower() not in sources.ROLE_ALIASES)
 HSETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -451,10 +451,10 @@ HSETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Heal
 @given(valid_records())
 def test_every_valid_record_round_trips(case):
     rec, expected = case
-    out = prepare.normalize_record(rec, "x.jsonl:1")
+    out = sources.normalize_record(rec, "x.jsonl:1")
     assert [(m["role"], m["content"]) for m in out["messages"]] == expected
     assert {m["role"] for m in out["messages"]} <= CANONICAL
-    assert prepare.normalize_record(json.loads(json.dumps(out)), "again") == out  # normalizing twice changes nothing
+    assert sources.normalize_record(json.loads(json.dumps(out)), "again") == out  # normalizing twice changes nothing
 
 
 @HSETTINGS
@@ -465,7 +465,7 @@ def test_every_malformed_line_is_named_and_valid_files_round_trip(tmp_path, reco
     path = tmp_path / f"{uuid.uuid4().hex}.jsonl"
     lines = [json.dumps(r, ensure_ascii=draw.draw(st.booleans())) for r, _ in records]
     path.write_text("\n".join(lines) + "\n")
-    got = prepare.read_jsonl(path)
+    got = sources.read_jsonl(path)
     assert [[(m["role"], m["content"]) for m in g["messages"]] for g in got] == [e for _, e in records]
 
     bad_at = draw.draw(st.integers(0, len(lines)))  # 0-based position of the bad line
@@ -479,7 +479,7 @@ def test_every_malformed_line_is_named_and_valid_files_round_trip(tmp_path, reco
         bad = json.dumps(obj)
     path.write_text("\n".join([*lines[:bad_at], bad, *lines[bad_at:]]) + "\n")
     with pytest.raises(WorkbookError) as err:
-        prepare.read_jsonl(path)
+        sources.read_jsonl(path)
     msg = str(err.value)
     assert f"{path}:{bad_at + 1}" in msg and needle in msg and " — fix: " in msg, (how, msg)
 

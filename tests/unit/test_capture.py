@@ -20,7 +20,7 @@ from eagle3lib.config import load_config
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract import capture
 from eagle3lib.extract.backends import make_backend
-from eagle3lib.extract.backends.transformers_backend import plan_batches
+from eagle3lib.extract.backends.transformers_backend import TransformersBackend, plan_batches
 from eagle3lib.rundir import REPO_ROOT, open_stage
 
 LAYER_IDS = [1, 3, 5, 6]  # tiny Llama: 6 layers, so id 6 = the last layer's pre-norm output
@@ -159,6 +159,75 @@ def test_rows_that_do_not_fit_the_free_disk_stop_before_the_first_shard(tmp_path
     assert capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, masks, progress=False)["computed_shards"] == 10
 
 
+# ------------------------------------------------------------------------------------------- the capture probe
+class PostNormFinal(TransformersBackend):
+    """A planted fault through the backend's real hooks: the final slot taken from the model's own final norm."""
+
+    def _post_hook(self, slot):
+        def hook(_module, _args, out):
+            self._store(slot, self.base.norm(out[0] if isinstance(out, tuple) else out))
+        return hook
+
+
+def probe_on(cfg, backend, model_dir, layer_ids, rows, root):
+    from eagle3lib.extract import probe
+
+    try:
+        return probe.run(cfg, backend, model_dir, layer_ids, 64, [t for _, t in rows], root,
+                         probe.compute_dtype(cfg, backend), progress=False), None
+    except WorkbookError as e:
+        return json.loads((root / probe.FAILED_FILE).read_text()), str(e)
+    finally:
+        backend.close()
+
+
+def test_probe_passes_the_transformers_backend_and_names_each_planted_fault(tmp_path, tiny_llama_dir):
+    """The transformers backend's probe: the model's own logits and output_hidden_states of the same loaded model
+    are the reference. Hooks on swapped or shifted layers, and a post-norm final state, each stop it with one message
+    naming the slot and the cause; on the random tiny Llama (norm weight all ones, so norm(norm(x)) = norm(x)) only
+    the post-norm structure check can see the last one."""
+    cfg = tiny_cfg(tiny_llama_dir)
+    rows = random_rows(7, seed=5)
+    report, err = probe_on(cfg, make_backend(cfg, tiny_llama_dir, LAYER_IDS), tiny_llama_dir, LAYER_IDS, rows,
+                           tmp_path / "ok")
+    assert err is None and report["passed"] and (tmp_path / "ok" / "capture_probe.json").is_file()
+    assert report["rows"][0] == max(range(7), key=lambda i: len(rows[i][1])) and len(report["rows"]) == 4
+    assert report["second_paths"][0]["ran"] and report["dtype"]["tolerances"] == "float32"
+    final = next(c for c in report["checks"] if c["check"] == "final state")["measured"]
+    assert final["top1_agreement"] == 1.0 and final["mean_logprob_error"] < 1e-4, final
+    faults = {"swapped": (TransformersBackend(cfg, tiny_llama_dir, [3, 1, 5, 6]),
+                          ["layer identity", "slot 0 holds layer id 3, not 1", "slots in the wrong order"]),
+              "off_by_one": (TransformersBackend(cfg, tiny_llama_dir, [0, 2, 4, 6]),
+                             ["slot 0 holds layer id 0, not 1", "layer ids off by one"]),
+              "post_norm": (PostNormFinal(cfg, tiny_llama_dir, LAYER_IDS),
+                            ["post-norm", "layer id 6", "AFTER the final norm"])}
+    for name, (backend, needles) in faults.items():
+        report, err = probe_on(cfg, backend, tiny_llama_dir, LAYER_IDS, rows, tmp_path / name)
+        assert err is not None and not report["passed"], name
+        assert "\n" not in err and err.startswith("the capture probe failed before the first shard"), err
+        for needle in needles:
+            assert needle in err, f"{name}: {needle!r} not in {err}"
+        assert not (tmp_path / name / "capture_probe.json").exists()
+
+
+def test_a_failing_probe_stops_stage_02_before_its_first_shard(tmp_path, tiny_llama_dir):
+    """Through the capture loop itself (what extract.run does): the probe runs on the backend before any shard, and
+    its failure leaves no shard and no table; with the fault gone the same call probes, passes and extracts."""
+    cfg = tiny_cfg(tiny_llama_dir, "extract.batch_tokens=64")
+    rows = random_rows(6, seed=2)
+    ids = [t for _, t in rows]
+    ddir, run_root = tmp_path / "dataset", tmp_path
+    with pytest.raises(WorkbookError, match="capture probe failed before the first shard: layer identity"):
+        capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, [[1] * len(t) for t in ids], progress=False,
+                        backend=TransformersBackend(cfg, tiny_llama_dir, [1, 5, 3, 6]), probe_dir=run_root)
+    assert not list(shards.shard_dir(ddir).glob("*")) and not (ddir / "state.json").exists()
+    assert (run_root / "capture_probe.failed.json").is_file() and not (run_root / "capture_probe.json").exists()
+    ext = capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, [[1] * len(t) for t in ids], progress=False,
+                          probe_dir=run_root)
+    assert ext["probe"]["passed"] and ext["computed_shards"] == 6
+    assert (run_root / "capture_probe.json").is_file() and not (run_root / "capture_probe.failed.json").exists()
+
+
 # ------------------------------------------------------------------------------------- real SmolLM2 stage runs
 def conversations_jsonl(path: Path, n: int) -> Path:
     topics = ["rivers", "stars", "bread", "trains", "music", "chess", "rain", "bees"]
@@ -188,6 +257,9 @@ def test_stage_output_is_read_by_speculators_without_dropping_a_row(tmp_path, sm
     stage.finish(result)
     m = stage.rd.read_manifest("02")["metrics"]
     assert (m["samples"], m["train_rows"], m["val_rows"], m["layer_ids"]) == (20, 18, 2, [2, 15, 27, 30])
+    probe = json.loads(stage.rd.output("02", "capture_probe").read_text())  # the probe ran before the first shard
+    assert probe["passed"] and m["extract"]["probe"]["passed"] and len(probe["rows"]) == 4
+    assert probe["dtype"] == {"compute": "float32", "storage": "bfloat16", "tolerances": "16-bit"}
     assert m["tokens"] > 20 * 30 and m["bytes"] > m["tokens"] * 4 * 576 * 2 and m["tokens_per_s"] > 0
     ds_dir = stage.rd.output("02", "dataset")
     ratio = m["train_ratio"]
@@ -284,18 +356,19 @@ def test_data_parallel_shares_are_token_balanced_and_complete():
     assert max(loads) - min(loads) <= 500  # no share is more than one longest row heavier
 
 
-def test_data_parallel_processes_write_every_shard(tmp_path, tiny_llama_dir, tiny_model):
-    """The one-process-per-GPU path, run here with two CPU processes: same shards as the hand computation."""
+def test_data_parallel_processes_write_every_shard(tmp_path, tiny_llama_dir, tiny_model, monkeypatch):
+    """The one-process-per-GPU path, run here with two CPU processes (as if two GPUs were visible), the capture probe
+    first on a backend of its own in this process: same shards as the hand computation."""
     cfg = tiny_cfg(tiny_llama_dir, "extract.batch_tokens=64", "extract.writer_threads=2")
     rows = random_rows(10, seed=3)
     ids = [t for _, t in rows]
-    spec = capture.shard_spec(cfg, LAYER_IDS, 64)
-    done = []
-    capture._capture_data_parallel(cfg, tiny_llama_dir, LAYER_IDS, tmp_path, ids, list(range(10)), ["cpu", "cpu"],
-                                   spec, lambda r, t: done.append((r, t)))
-    assert sum(r for r, _ in done) == 10 and sum(t for _, t in done) == sum(map(len, ids))
+    monkeypatch.setattr(capture, "_dp_devices", lambda cfg, model_dir, backend: ["cpu", "cpu"])
+    ddir = tmp_path / "dataset"
+    ext = capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, [[1] * len(t) for t in ids], progress=False,
+                          probe_dir=tmp_path)
+    assert ext["computed_shards"] == 10 and ext["probe"]["passed"] and (tmp_path / "capture_probe.json").is_file()
     for i in range(10):
-        got = shards.read_shard(shards.shard_path(tmp_path, i))
+        got = shards.read_shard(shards.shard_path(ddir, i))
         assert got["token_ids"].tolist() == ids[i]
         ref = reference_states(tiny_model, torch.tensor([ids[i]]), LAYER_IDS)[0]
         torch.testing.assert_close(got["hidden_states"], ref, rtol=1e-4, atol=1e-5)

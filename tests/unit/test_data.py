@@ -13,7 +13,7 @@ import pytest
 
 from eagle3lib.config import load_config
 from eagle3lib.errors import WorkbookError
-from eagle3lib.extract import prepare
+from eagle3lib.extract import prepare, sources
 from eagle3lib.target import load_tokenizer
 
 
@@ -36,12 +36,12 @@ def smol_tok(smollm2_dir):
 
 
 def test_bundled_prompt_set_is_large_varied_and_valid():
-    recs = prepare.read_jsonl(prepare.bundled_prompts_path())
+    recs = sources.read_jsonl(sources.bundled_prompts_path())
     assert len(recs) >= 300
     cats = Counter(r["category"] for r in recs)
     assert {"code", "math", "reasoning", "chat", "writing", "multilingual"} <= set(cats)
     assert min(cats.values()) >= 25
-    assert len({prepare.prompt_key(r["messages"]) for r in recs}) == len(recs)  # no duplicates
+    assert len({sources.prompt_key(r["messages"]) for r in recs}) == len(recs)  # no duplicates
     scripts = "".join(r["messages"][0]["content"] for r in recs if r["category"] == "multilingual")
     assert any("\u4e00" <= ch <= "\u9fff" for ch in scripts) and any("\u0400" <= ch <= "\u04ff" for ch in scripts)
 
@@ -49,17 +49,17 @@ def test_bundled_prompt_set_is_large_varied_and_valid():
 def test_malformed_records_name_the_line_and_the_fix(tmp_path):
     good = json.dumps(chat(0))
     with pytest.raises(WorkbookError, match=r"bad.jsonl:3: not valid JSON"):
-        prepare.read_jsonl(write_jsonl(tmp_path / "bad.jsonl", [good, "", '{"messages": [}']))
+        sources.read_jsonl(write_jsonl(tmp_path / "bad.jsonl", [good, "", '{"messages": [}']))
     with pytest.raises(WorkbookError, match=r"roles.jsonl:2, turn 1: unknown role 'robot'"):
-        prepare.read_jsonl(write_jsonl(tmp_path / "roles.jsonl", [good, {"messages": [
+        sources.read_jsonl(write_jsonl(tmp_path / "roles.jsonl", [good, {"messages": [
             {"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}]))
     with pytest.raises(WorkbookError, match=r"empty.jsonl:1, turn 1 \(assistant\): empty turn"):
-        prepare.read_jsonl(write_jsonl(tmp_path / "empty.jsonl", [{"messages": [
+        sources.read_jsonl(write_jsonl(tmp_path / "empty.jsonl", [{"messages": [
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}]))
     with pytest.raises(WorkbookError, match="no 'messages'"):
-        prepare.read_jsonl(write_jsonl(tmp_path / "keys.jsonl", [{"text": "hello"}]))
+        sources.read_jsonl(write_jsonl(tmp_path / "keys.jsonl", [{"text": "hello"}]))
     with pytest.raises(WorkbookError, match="does not exist"):
-        prepare.read_jsonl(tmp_path / "missing.jsonl")
+        sources.read_jsonl(tmp_path / "missing.jsonl")
 
 
 def test_sharegpt_and_hf_disk_sources(tmp_path):
@@ -67,13 +67,13 @@ def test_sharegpt_and_hf_disk_sources(tmp_path):
 
     share = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
                                {"from": "gpt", "value": "Hello!"}]}
-    recs = prepare.read_jsonl(write_jsonl(tmp_path / "s.jsonl", [share]))
+    recs = sources.read_jsonl(write_jsonl(tmp_path / "s.jsonl", [share]))
     assert recs[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                                    {"role": "assistant", "content": "Hello!"}]
     Dataset.from_list([chat(i) for i in range(5)]).save_to_disk(str(tmp_path / "hf"))
     cfg = load_config(None, [f"data.sources=[{{kind: hf_disk, path: {tmp_path / 'hf'}, limit: 3}}, "
                              f"{{kind: jsonl, path: {tmp_path / 's.jsonl'}}}]"])
-    recs = prepare.load_records(cfg)
+    recs = sources.load_records(cfg)
     assert len(recs) == 4 and recs[0]["messages"] == chat(0)["messages"] and recs[-1]["source"] == "s.jsonl"
 
 
@@ -173,7 +173,7 @@ def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     cfg = load_config(None, ["data.sources=[{kind: hf_hub, path: no-such-org/no-such-dataset-eagle3}]"])
     with pytest.raises(WorkbookError, match="cannot load dataset 'no-such-org/no-such-dataset-eagle3'.*hf_disk"):
-        prepare.load_records(cfg)
+        sources.load_records(cfg)
 
 
 # ---------------------------------------------------------------------------------------- self-instruct, generators
@@ -202,7 +202,8 @@ def si_first(tmp_path_factory, smol_tok, smollm2_dir):
 
 
 def test_clean_request_strips_labels_and_drops_unusable_text():
-    from eagle3lib.extract.synth import clean_request, normalize, overlaps
+    from eagle3lib.extract.dedup import normalize, overlaps
+    from eagle3lib.extract.synth import clean_request
 
     assert clean_request('Request: "How do I bake sourdough bread at home?"', True) == (
         "How do I bake sourdough bread at home?", "kept")
@@ -222,7 +223,7 @@ def test_clean_request_strips_labels_and_drops_unusable_text():
 
 
 def test_self_instruct_writes_unique_clean_prompts_cached_and_seeded(si_first, tmp_path, smol_tok, smollm2_dir):
-    from eagle3lib.extract.synth import normalize
+    from eagle3lib.extract.dedup import normalize
 
     cache, recs, stats = si_first
     assert len(recs) == 4 and stats["kept"] == 4 and stats["generated"] >= stats["draws"] >= 4

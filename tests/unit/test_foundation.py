@@ -210,7 +210,7 @@ def test_disk_estimate_counts_known_lengths_and_warns_only_on_the_upper_bound(ou
 
     from eagle3lib.environment import check_environment
     from eagle3lib.extract.estimate import estimate_data
-    from eagle3lib.extract.prepare import bundled_prompts_path, read_jsonl
+    from eagle3lib.extract.sources import bundled_prompts_path, read_jsonl
 
     cfg = load_config(REPO_ROOT / "configs/demo.yaml", [f"run.output_root={out_root}", "data.num_samples=null"])
     est = estimate_data(cfg, smollm2_dir)

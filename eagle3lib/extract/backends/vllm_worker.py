@@ -27,7 +27,7 @@ from eagle3lib.extract.backends.adapters import check_cpu_support, select_adapte
 from eagle3lib.shards import DTYPES
 from eagle3lib.target import read_hf_config
 
-WORKER_EXTENSION = "eagle3lib.extract.backends.capture_worker.CaptureWorker"
+WORKER_EXTENSION = engine.WORKER_EXTENSION
 
 
 def expect_replies(replies: Any, n_workers: int, what: str) -> list[dict[str, Any]]:
@@ -65,7 +65,7 @@ def wait_for_worker_file(row: int, path: str, timeout_s: float = 600.0) -> None:
         time.sleep(0.002)
 
 
-class VllmWorkerBackend:
+class VllmWorkerBackend(engine.LogsOutputs):
     """Strategy `worker`: the workbook's capture worker hooks the decoder layers of a plain vLLM engine and writes one
     shard-shaped file per request into a spool folder of the run (eagle3lib.extract.backends.capture_worker). The worker refuses
     NaN/inf states itself (checked on the device), so the shard writer reads only each file's header and token ids
@@ -119,7 +119,7 @@ class VllmWorkerBackend:
     def _run(self, batch: list[tuple[int, list[int]]]) -> tuple[list[str], list[dict[str, Any]]]:
         """One generate call and the paths of its captures (both on the engine thread)."""
         t0 = time.perf_counter()
-        ids = [o.request_id for o in engine.generate(self.llm, batch)]
+        ids = [o.request_id for o in engine.generate(self.llm, batch, self.log)]
         t1 = time.perf_counter()
         replies = expect_replies(self.llm.collective_rpc("eagle3_pop", args=(ids,)), self.n_workers,
                                  "collecting captured states")
@@ -171,6 +171,22 @@ class VllmWorkerBackend:
             slots.update({k: hs[:, j] for j, k in enumerate(ks)})
         self.stats["merged"] += 1
         return torch.stack([slots[k] for k in self.layer_ids], dim=1).to(self.dtype)
+
+    def collect(self, rows: list[tuple[int, list[int]]], request_ids: list[str]) -> dict[int, torch.Tensor | Path]:
+        """The hooks' states of requests another driver ran on this engine (the native strategy's, for the capture
+        probe's second path): `rows` and the request ids their outputs carried, in the same order."""
+        replies = expect_replies(self.llm.collective_rpc("eagle3_pop", args=(list(request_ids),)), self.n_workers,
+                                 "collecting captured states")
+        return dict(self._assemble(rows, list(request_ids), replies))
+
+    def detach(self) -> None:
+        """Remove the hooks and the spool but leave the engine running (it belongs to another backend)."""
+        if self.llm is not None:
+            try:
+                self.llm.collective_rpc("eagle3_remove")
+            finally:
+                self.llm = None
+                shutil.rmtree(self.spool, ignore_errors=True)
 
     def close(self) -> None:
         if self.llm is not None:

