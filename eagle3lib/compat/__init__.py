@@ -278,10 +278,18 @@ def required_tags(cfg: Any, on_cpu: bool | None = None) -> set[str]:
     if "vllm" in methods:
         tags |= {"vllm", "evaluate-vllm"}
     model = str(getattr(cfg.target, "model", ""))
+    config = _checkpoint_config(model)
     if model.startswith("embedded:"):
+        from eagle3lib import embedded
+
         tags.add("transformers-gguf")
-    elif "vllm" in tags and _is_multimodal_checkpoint(model):
-        tags.add("vllm-vlm")
+        tags.add(f"gguf:{embedded.lookup(model).architecture}")
+    elif "vllm" in tags and ("vision_config" in config or "text_config" in config):
+        tags.add("vllm-vlm")  # a multimodal wrapper (Qwen2-VL, Llava, Kimi-K2.5 ...): the wrapper contracts apply
+    # per-architecture tags (e.g. 'evaluate-vllm:qwen2'): a family's contracts bind only runs on that family
+    model_type = _model_type(model, config)
+    if model_type:
+        tags |= {f"{t}:{model_type}" for t in ("vllm-native", "vllm-worker", "evaluate-vllm") if t in tags}
     if on_cpu:
         tags.add("speculators-cpu")
         if "vllm" in tags:
@@ -289,18 +297,27 @@ def required_tags(cfg: Any, on_cpu: bool | None = None) -> set[str]:
     return tags
 
 
-def _is_multimodal_checkpoint(model_dir: str) -> bool:
-    """A local checkpoint whose config has a vision tower (Qwen2-VL, Llava, Kimi-K2.5 ...): its decoder sits behind a
-    multimodal wrapper, so the wrapper contracts (language_model, SupportsEagle3) apply."""
+def _checkpoint_config(model: str) -> dict[str, Any]:
+    """A local checkpoint's config.json ({} for an embedded name or a folder without a readable one)."""
     import json
     from pathlib import Path
 
-    path = Path(model_dir) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return "vision_config" in config or "text_config" in config
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _model_type(model: str, config: dict[str, Any]) -> str | None:
+    """The target's (language model's) HF model_type: an embedded target's GGUF architecture (the same word for
+    llama and qwen2), else config.json's, under text_config for a multimodal wrapper."""
+    if model.startswith("embedded:"):
+        from eagle3lib import embedded
+
+        return embedded.lookup(model).architecture
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return text.get("model_type") or config.get("model_type")
 
 
 def check_required(results: list[Any], tags: set[str]) -> list[Any]:

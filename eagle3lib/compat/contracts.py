@@ -275,12 +275,15 @@ def probe_hidden_states_connector(cls: Any) -> str | None:
     raise ContractMismatch(detail)
 
 
-def probe_llama_supports_eagle3(cls: Any) -> str | None:
+def probe_supports_eagle3(cls: Any) -> str | None:
+    """The vLLM model class implements SupportsEagle3 (Llama, Qwen2: vLLM refuses EAGLE-3 decoding and native
+    extract_hidden_states for a class that does not)."""
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     if not supports_eagle3(cls):
         raise ContractMismatch(f"{cls.__name__} does not implement SupportsEagle3")
     return None
+
 
 
 def probe_qwen2vl_eagle3(_: Any) -> str | None:
@@ -389,6 +392,15 @@ def probe_transformers_hidden_states(cls: Any) -> str | None:
     return "hidden_states[-1] post-norm; hook on layers[-1] gives pre-norm"
 
 
+def probe_sampling_logprobs(cls: Any) -> str | None:
+    """The capture probe's reference distribution (eagle3lib.extract.probe): SamplingParams takes `logprobs` and
+    `prompt_logprobs`; a request asking for prompt logprobs skips reading the prefix cache (noted, not required)."""
+    params = cls(max_tokens=1, temperature=0.0, detokenize=False, logprobs=5, prompt_logprobs=5)
+    if (params.logprobs, params.prompt_logprobs) != (5, 5):
+        raise ContractMismatch(f"logprobs/prompt_logprobs came back as {params.logprobs}/{params.prompt_logprobs}")
+    return f"skip_reading_prefix_cache={getattr(params, 'skip_reading_prefix_cache', 'absent')}"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The declared contracts
 # ---------------------------------------------------------------------------------------------------------------
@@ -489,7 +501,13 @@ CONTRACTS: list[Contract] = [
     # --- EAGLE-3 interface -------------------------------------------------------------------------------------
     Contract("vllm.llama.SupportsEagle3", _V, "vllm.model_executor.models.llama:LlamaForCausalLM",
              "Llama targets implement SupportsEagle3 (extract_hidden_states and eagle3 decoding need it)",
-             probe_llama_supports_eagle3, ("02", "06"), ("vllm-native", "evaluate-vllm"), kind="probe"),
+             probe_supports_eagle3, ("02", "06"), ("vllm-native", "evaluate-vllm"), kind="probe"),
+    Contract("vllm.qwen2.SupportsEagle3", _V, "vllm.model_executor.models.qwen2:Qwen2ForCausalLM",
+             "Qwen2 targets (Qwen2.5, the embedded Qwen2.5-Coder) implement SupportsEagle3 (vLLM 0.32 declares it)",
+             probe_supports_eagle3, ("02", "06"), ("vllm-native:qwen2", "evaluate-vllm:qwen2"), kind="probe"),
+    Contract("vllm.qwen2.decoder_layer_forward", _V, "vllm.model_executor.models.qwen2:Qwen2DecoderLayer.forward",
+             "forward(positions, hidden_states, residual) returning (hidden_states, residual), as Llama's",
+             params_start("positions", "hidden_states", "residual"), ("02",), ("vllm-worker:qwen2",)),
     Contract("vllm.qwen2_vl.SupportsEagle3", _V, "vllm.model_executor.models.registry:ModelRegistry",
              "the class vLLM's registry resolves for Qwen2VLForConditionalGeneration implements SupportsEagle3",
              probe_qwen2vl_eagle3, ("02", "06"), ("vllm-vlm",), kind="probe"),
@@ -497,6 +515,10 @@ CONTRACTS: list[Contract] = [
              "register_model(model_arch, model_cls) accepts a lazy 'module:Class' string",
              params_start("model_arch", "model_cls"), ("01",), ("vllm",)),
     # --- evaluation with vLLM ----------------------------------------------------------------------------------
+    Contract("vllm.SamplingParams.logprobs", _V, "vllm.sampling_params:SamplingParams",
+             "SamplingParams(logprobs=k, prompt_logprobs=k): the engine's top-k logprobs (the capture probe's "
+             "reference distribution)", probe_sampling_logprobs, ("02",), ("vllm-native", "vllm-worker"),
+             kind="probe"),
     Contract("vllm.LLM.get_metrics", _V, "vllm.entrypoints.llm:LLM.get_metrics",
              "LLM.get_metrics() exposes vllm:spec_decode_* counters (needs disable_log_stats=False)", exists,
              ("06",), ("evaluate-vllm",), kind="attribute"),
@@ -554,10 +576,17 @@ CONTRACTS: list[Contract] = [
     Contract("transformers.gguf.llama_supported", _T,
              "transformers.modeling_gguf_pytorch_utils:GGUF_SUPPORTED_ARCHITECTURES",
              "GGUF architecture 'llama' is supported (the embedded SmolLM2 target)",
-             require(lambda archs: "llama" in archs, lambda archs: f"supported: {archs}"), ("00", "02"), ("transformers-gguf",), kind="attribute"),
+             require(lambda archs: "llama" in archs, lambda archs: f"supported: {archs}"), ("00", "02"), ("gguf:llama",), kind="attribute"),
+    Contract("transformers.gguf.qwen2_supported", _T,
+             "transformers.modeling_gguf_pytorch_utils:GGUF_SUPPORTED_ARCHITECTURES",
+             "GGUF architecture 'qwen2' is supported (the embedded Qwen2.5-Coder targets)",
+             require(lambda archs: "qwen2" in archs, lambda archs: f"supported: {archs}"), ("00", "02"), ("gguf:qwen2",), kind="attribute"),
     Contract("transformers.gguf.package", "gguf", "gguf:GGUFReader",
              "the gguf package (transformers reads GGUF files with it)", exists, ("00", "02"),
              ("transformers-gguf",), kind="attribute"),
+    Contract("transformers.CausalLM.logits_to_keep", _T, "transformers:LlamaForCausalLM.forward",
+             "forward(logits_to_keep=...) computes logits at chosen positions only (the capture probe's reference)",
+             has_params("logits_to_keep"), ("02",), ("transformers",)),
     Contract("transformers.llama.hidden_states_convention", _T, "transformers:LlamaModel",
              "hidden_states[k] enters layer k; hidden_states[-1] is POST-norm; a hook on layers[-1] gives pre-norm",
              probe_transformers_hidden_states, ("02",), ("transformers",), kind="probe"),

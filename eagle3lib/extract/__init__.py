@@ -8,6 +8,8 @@ The steps, each in its own module:
     synth.py        self_instruct prompts written by the target (training only, kept apart from the eval split)
     generators.py   the swappable text generator (transformers | vLLM) behind one resume cache
     capture.py      the backend-neutral capture loop: validated, resumable shards, token_freq, the dataset table
+    probe.py        the capture probe before the first shard: a few rows checked against the engine itself and a
+                    second capture path (capture_probe.json)
     backends/       who runs the target forward: transformers (the reference), vLLM native or the capture worker
 
 Run it:  eagle3 run --config configs/demo.yaml --stages 02     (headless; or step through the notebook)

@@ -393,6 +393,29 @@ def test_required_tags_follow_the_configured_backend(tmp_path):
     assert {"vllm", "vllm-native", "evaluate-vllm", "vllm-vlm"} <= tags and "transformers" not in tags
 
 
+def test_a_qwen2_target_needs_the_qwen2_contracts_and_a_llama_one_does_not():
+    """Per-family tags: the Qwen2 contracts (SupportsEagle3, its decoder layer, GGUF 'qwen2') bind runs on a Qwen2
+    target (embedded or a local folder), not SmolLM2 runs; and a broken one blocks exactly those runs."""
+    from eagle3lib.compat.contracts import CONTRACTS, MISMATCH, AuditResult
+    from eagle3lib.config import load_config
+    from eagle3lib.errors import WorkbookError
+
+    vllm = ["extract.backend=vllm", "extract.strategy=worker", "evaluate.methods=[vllm]"]
+    qwen = compat.required_tags(load_config(None, ["target.model=embedded:qwen2.5-coder-0.5b", *vllm]), on_cpu=True)
+    smol = compat.required_tags(load_config(None, ["target.model=embedded:smollm2", *vllm]), on_cpu=True)
+    by_name = {c.name: c for c in CONTRACTS}
+    for name in ("vllm.qwen2.SupportsEagle3", "vllm.qwen2.decoder_layer_forward", "transformers.gguf.qwen2_supported"):
+        assert set(by_name[name].needs) & qwen and not set(by_name[name].needs) & smol, name
+    assert set(by_name["transformers.gguf.llama_supported"].needs) & smol
+    assert not set(by_name["transformers.gguf.llama_supported"].needs) & qwen
+    c = by_name["vllm.qwen2.SupportsEagle3"]
+    broken = [AuditResult(c.name, c.package, c.symbol, c.kind, c.expect, MISMATCH, "lacks SupportsEagle3", c.stages,
+                          c.needs)]
+    with pytest.raises(WorkbookError, match=r"vllm\.qwen2\.SupportsEagle3 \(mismatch"):
+        compat.check_required(broken, qwen)
+    assert compat.check_required(broken, smol) == []
+
+
 def test_cpu_only_contracts_are_not_required_on_a_gpu_machine():
     """The H200 failed stage 01 on the CPU rotary kernel (absent from vLLM's CUDA build, never used there): contracts
     about CPU-only code are required only where the run has no accelerator."""

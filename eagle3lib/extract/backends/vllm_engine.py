@@ -27,7 +27,9 @@ from eagle3lib.extract.backends.adapters import Adapter
 from eagle3lib.shards import SAFETENSORS_DTYPES
 
 # The workbook's capture worker (eagle3lib.extract.backends.capture_worker), loaded into vLLM's worker processes by
-# both strategies: the worker strategy captures with it, the native one keeps it idle for the capture probe.
+# both strategies: the worker strategy captures with it, the native one keeps it idle for the capture probe. Its
+# module carries eagle3lib.compat's worker-scope patches (connector registry, SupportsEagle3 registrations, CPU
+# rotary) into every worker (compat.worker_setup at import), as compat's own CompatWorkerExtension would.
 WORKER_EXTENSION = "eagle3lib.extract.backends.capture_worker.CaptureWorker"
 
 
@@ -89,16 +91,6 @@ def engine_kwargs(cfg: WorkbookConfig, model_dir: Path, adapter: Adapter) -> dic
         kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
     kwargs.update(adapter.engine_kwargs(on_cpu()))
     return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def compat_engine_kwargs() -> dict[str, Any]:
-    """What carries eagle3lib.compat's worker-scope patches (connector registry, SupportsEagle3 registrations, CPU
-    rotary) into vLLM's worker processes when no extension of ours runs there (the native strategy)."""
-    try:
-        from eagle3lib.compat import vllm_engine_kwargs
-    except ImportError:  # pragma: no cover - compat without the helper
-        return {}
-    return vllm_engine_kwargs()
 
 
 def start_engine(kwargs: dict[str, Any]) -> Any:

@@ -37,7 +37,6 @@ from eagle3lib.extract.backends.vllm_engine import (
     WORKER_EXTENSION,
     LogsOutputs,
     cache_root,
-    compat_engine_kwargs,
     engine_kwargs,
     generate,
     hand_on,
@@ -124,8 +123,7 @@ class VllmNativeBackend(LogsOutputs):
         kwargs["speculative_config"] = speculative_config(self.layer_ids)
         kwargs["kv_transfer_config"] = connector_config(self.out_dir)
         self.connector = kwargs["kv_transfer_config"]["kv_connector"]  # upstream's (async) or the synchronous one
-        kwargs.update(compat_engine_kwargs())
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION  # calls compat's worker_setup itself
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION  # brings compat's worker-scope patches (worker_setup)
         kwargs.update(engine_overrides)
         self.llm = start_engine(kwargs)
 
