@@ -150,6 +150,10 @@ class ExtractSection(Section):
         "native", description="vLLM only: extract_hidden_states (native) or the workbook's capture worker."
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Dtype of the stored states.")
+    fp8_shards: bool = Field(
+        False, description="Store the states as FP8 (e4m3, one scale per token: speculators' own FP8 format, which "
+        "its FP8Transfer reads back into extract.dtype): about half the disk of bf16, measured within noise of bf16 "
+        "for the draft (docs/engines.md#fp8-hidden-state-shards). Changing it rewrites the shards.")
     batch_tokens: int = Field(8192, description="Token budget of one forward batch (length-sorted batches).")
     devices: str = Field("auto", description="auto = every visible GPU (one process each), else e.g. 'cuda:0,cuda:1' or 'cpu'.")
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size.")

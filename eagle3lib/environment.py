@@ -21,8 +21,6 @@ from eagle3lib.extract.estimate import estimate_data
 from eagle3lib.rundir import StageResult, StageRun
 from eagle3lib.target import TargetInfo, describe_target, resolve_layer_ids, resolve_model_path
 
-BYTES_PER_DTYPE = {"bfloat16": 2, "float16": 2, "float32": 4}
-
 
 @dataclass
 class Check:
@@ -109,9 +107,12 @@ def box_speed() -> dict[str, object] | None:
             "threads": torch.get_num_threads(), "what": "SmolLM2-135M fp32 forward on the CPU"}
 
 
-def extraction_bytes_per_token(info: TargetInfo, n_aux: int, dtype: str) -> int:
-    """(aux layers + 1 final) × hidden × bytes: e.g. 4 × 7168 × 2 ≈ 57 KB/token for a Kimi-K2.5-sized target."""
-    return (n_aux + 1) * info.hidden_size * BYTES_PER_DTYPE[dtype]
+def extraction_bytes_per_token(info: TargetInfo, n_aux: int, cfg: WorkbookConfig) -> int:
+    """(aux layers + 1 final) × hidden × bytes (+ the token id, + the FP8 scale): e.g. 4 × 7168 × 2 ≈ 57 KB/token
+    for a Kimi-K2.5-sized target in bf16, half that in FP8 (shards.ShardSpec.bytes_per_token)."""
+    from eagle3lib.shards import DTYPES, ShardSpec
+
+    return ShardSpec(n_aux + 1, info.hidden_size, DTYPES[cfg.extract.dtype], cfg.extract.fp8_shards).bytes_per_token()
 
 
 def disk_check(cfg: WorkbookConfig, model_dir: Path, info: TargetInfo, n_aux: int, run_root: Path,
@@ -121,7 +122,7 @@ def disk_check(cfg: WorkbookConfig, model_dir: Path, info: TargetInfo, n_aux: in
     bound (every row at data.max_length) or the estimate comes within 10% of it. Stage 02 checks again with the real
     token count before its first shard, so a warning costs nothing but a look."""
     est = estimate_data(cfg, model_dir)
-    per_token = extraction_bytes_per_token(info, n_aux, cfg.extract.dtype)
+    per_token = extraction_bytes_per_token(info, n_aux, cfg)
     need, bound = est.tokens * per_token, est.upper_bound_tokens * per_token
     run_root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(run_root).free

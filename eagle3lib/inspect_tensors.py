@@ -63,8 +63,7 @@ def spec_from_manifest(metrics: dict[str, Any]) -> tuple[shards.ShardSpec, list[
     """The shard spec stage 02 recorded (slots = aux ids + final id, hidden size, stored dtype) and the layer ids."""
     try:
         layer_ids = [int(i) for i in metrics["layer_ids"]]
-        dtype = shards.DTYPES[str(metrics["dtype"]).removeprefix("torch.")]
-        spec = shards.ShardSpec(len(layer_ids), int(metrics["hidden_size"]), dtype)
+        spec = shards.spec_from_metrics(metrics)
     except (KeyError, TypeError, ValueError) as e:
         raise WorkbookError(f"stage 02's manifest lacks a usable {e} in its metrics (layer_ids, hidden_size, dtype)",
                             "rerun stage 02 with this version of the workbook") from None
@@ -112,9 +111,10 @@ def check_shard(path: Path, row_ids: list[int] | torch.Tensor, seq_len: int | No
         data = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         return [f"unreadable ({e.__class__.__name__}: {' '.join(str(e).split())[:80]})"], None
-    missing = {"token_ids", "hidden_states"} - set(data)
-    if missing:
-        return [f"missing keys {sorted(missing)} (found {sorted(data)})"], None
+    stored = shards.format_problems(data, spec)
+    if stored:
+        return stored, None
+    data = shards.dequantize(data, spec.dtype)
     token_ids, hidden = data["token_ids"], data["hidden_states"]
     found = shards.problems(token_ids, hidden, row_ids, spec)
     n_tok = token_ids.shape[0] if token_ids.dim() == 1 else -1

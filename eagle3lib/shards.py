@@ -3,6 +3,11 @@
 One shard per dataset row i: `<dataset>/hidden_states/hs_{i}.safetensors` holding
     token_ids      int64 [T]            must equal the row's input_ids (speculators silently drops the row otherwise)
     hidden_states  [T, n_aux + 1, H]    aux slots in layer-id order, then the final layer's PRE-norm output
+and, for FP8 shards (`extract.fp8_shards`), speculators' own FP8 format (hs_connectors.fp8_utils): hidden_states in
+float8_e4m3fn plus
+    hidden_states_scales  float32 [T, 1, 1]   one scale per token (amax over its slots and dims / 448)
+which speculators' `FP8Transfer` (and `read_shard` here) turns back into the dtype the run computes in. Half the
+bytes of bf16 per token, + 4 for the scale (docs/engines.md#fp8-hidden-state-shards).
 
 Why one validator for every backend: the seed's worst bug wrote a "successful" dataset with one layer of four kept
 and the rest flattened. Every writer (transformers, vLLM native, vLLM worker) goes through `write_shard`, which
@@ -16,6 +21,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,7 +31,9 @@ from eagle3lib.atomic import atomic_path
 from eagle3lib.errors import WorkbookError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # names in a file's header
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,  # names in a file's header
+                      "F8_E4M3": getattr(torch, "float8_e4m3fn", None)}
+SCALES_KEY = "hidden_states_scales"  # = hs_connectors.fp8_utils.SCALES_KEY (require_fp8_reader checks it)
 
 
 def train_ratio(train_rows: int, val_rows: int) -> float:
@@ -51,7 +59,68 @@ class ShardSpec:
 
     n_slots: int  # aux layers + 1 final
     hidden_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what a reader gets back (and what the capture computed in)
+    fp8: bool = False  # stored as float8_e4m3fn with a per-token scale (speculators' FP8 format)
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return fp8_dtype() if self.fp8 else self.dtype
+
+    def bytes_per_token(self) -> int:
+        """What one token costs on disk: its states, the FP8 scale, its int64 token id."""
+        per_value = 1 if self.fp8 else torch.tensor([], dtype=self.dtype).element_size()
+        return self.n_slots * self.hidden_size * per_value + (4 if self.fp8 else 0) + 8
+
+
+def spec_from_metrics(metrics: dict) -> ShardSpec:
+    """The spec stage 02 recorded in its manifest's metrics (layer_ids, hidden_size, dtype, fp8_shards): how stages
+    03, 05 and 06 know what to expect. Raises KeyError/TypeError/ValueError on a manifest without them."""
+    return ShardSpec(len(list(metrics["layer_ids"])), int(metrics["hidden_size"]),
+                     DTYPES[str(metrics["dtype"]).removeprefix("torch.")], bool(metrics.get("fp8_shards", False)))
+
+
+def fp8_dtype() -> torch.dtype:
+    """torch.float8_e4m3fn, or one clear error on a torch without it (nothing has been written yet)."""
+    dtype = getattr(torch, "float8_e4m3fn", None)
+    if dtype is None:
+        raise WorkbookError(f"extract.fp8_shards needs torch.float8_e4m3fn, which torch {torch.__version__} lacks",
+                            "set extract.fp8_shards: false, or install torch >= 2.1")
+    return dtype
+
+
+def require_fp8_reader() -> None:
+    """FP8 shards are only worth writing if the trainer can read them: speculators' hs_connectors (FP8Transfer) and
+    a torch with float8_e4m3fn. Stage 02 calls this before the first shard, stage 05 before the first batch."""
+    fp8_dtype()
+    try:
+        from hs_connectors.fp8_utils import SCALES_KEY as upstream
+        from hs_connectors.transfer import FP8Transfer  # noqa: F401
+    except ImportError as e:
+        raise WorkbookError(f"extract.fp8_shards needs speculators' hs_connectors (FP8Transfer), which does not "
+                            f"import here ({e})", "pip install -e . (speculators 0.9 brings hs-connectors), or set "
+                            "extract.fp8_shards: false") from None
+    if upstream != SCALES_KEY:
+        raise WorkbookError(f"hs_connectors names the FP8 scales {upstream!r}, the workbook writes {SCALES_KEY!r}",
+                            "set extract.fp8_shards: false until the workbook follows this hs_connectors version")
+
+
+def quantize(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """speculators' own FP8 quantization (hs_connectors.fp8_utils: one float32 scale per token, amax / 448)."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    return quantize_tensor_to_fp8(hidden_states)
+
+
+def dequantize(data: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A shard's tensors as a reader wants them: FP8 states through speculators' own dequantize (into `dtype`,
+    default bf16, as its FP8Transfer does), the scales dropped; a shard without scales as stored."""
+    if SCALES_KEY not in data:
+        return data
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    out = {k: v for k, v in data.items() if k != SCALES_KEY}
+    out["hidden_states"] = dequantize_fp8_tensor(data["hidden_states"], data[SCALES_KEY], dtype=dtype or torch.bfloat16)
+    return out
 
 
 def problems(token_ids: torch.Tensor, hidden_states: torch.Tensor, expected_ids: torch.Tensor | list[int] | None,
@@ -84,9 +153,12 @@ def write_shard(dataset_dir: Path, index: int, token_ids: torch.Tensor, hidden_s
     if found:
         raise WorkbookError(f"sample {index}: refusing to write an invalid shard: " + "; ".join(found),
                             "this is a capture bug (wrong layer slicing or token alignment); nothing invalid was written")
+    tensors = {"token_ids": token_ids, "hidden_states": hidden_states.contiguous()}
+    if spec.fp8:
+        tensors["hidden_states"], tensors[SCALES_KEY] = quantize(hidden_states)
     path = shard_path(dataset_dir, index)
     with atomic_path(path, suffix=".safetensors") as tmp:
-        save_file({"token_ids": token_ids, "hidden_states": hidden_states.contiguous()}, str(tmp))
+        save_file(tensors, str(tmp))
     return path
 
 
@@ -98,7 +170,15 @@ def adopt_shard(dataset_dir: Path, index: int, src: Path, expected_ids: torch.Te
     and the token ids are read here, not every state.
 
     `src` must be on the dataset's filesystem (a rename); an invalid file is deleted and stops the run like
-    `write_shard` does, so nothing invalid ever carries a shard's name."""
+    `write_shard` does, so nothing invalid ever carries a shard's name. For FP8 shards the file (in the capture
+    dtype) is read, validated and written quantized by `write_shard`, and `src` is deleted."""
+    if spec.fp8:
+        data = read_shard(Path(src))
+        try:
+            return write_shard(dataset_dir, index, data["token_ids"], data["hidden_states"], expected_ids,
+                               ShardSpec(spec.n_slots, spec.hidden_size, spec.dtype, fp8=True))
+        finally:
+            Path(src).unlink(missing_ok=True)
     found = (check_shard_header if values_checked else check_shard_file)(Path(src), expected_ids, spec)
     if found:
         Path(src).unlink(missing_ok=True)
@@ -116,8 +196,34 @@ def adopt_shard(dataset_dir: Path, index: int, src: Path, expected_ids: torch.Te
     return path
 
 
-def read_shard(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+def read_shard(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """token_ids and hidden_states of one shard, FP8 states dequantized (into `dtype`, default bf16)."""
+    return dequantize(load_file(str(path)), dtype)
+
+
+def format_problems(data: dict[str, torch.Tensor], spec: ShardSpec) -> list[str]:
+    """How a file's tensors as stored differ from the spec's storage (its keys, FP8 or not, the scales' shape);
+    what the values hold is `problems`' job, after `dequantize`."""
+    missing = {"token_ids", "hidden_states"} - set(data)
+    if missing:
+        return [f"missing keys {sorted(missing)} (found {sorted(data)})"]
+    return _storage_problems(data["hidden_states"].dtype, list(data["hidden_states"].shape),
+                             None if SCALES_KEY not in data else (data[SCALES_KEY].dtype, list(data[SCALES_KEY].shape)),
+                             spec)
+
+
+def _storage_problems(dtype: torch.dtype | str, shape: list[int], scales: tuple[Any, list[int]] | None,
+                      spec: ShardSpec) -> list[str]:
+    if dtype != spec.stored_dtype:
+        how = "FP8 (extract.fp8_shards: true)" if spec.fp8 else f"{spec.dtype} (extract.fp8_shards: false)"
+        return [f"hidden_states stored as {dtype}, this run stores {how}"]
+    if spec.fp8:
+        want = [shape[0] if shape else -1, 1, 1]
+        if scales is None:
+            return [f"FP8 hidden_states without {SCALES_KEY}"]
+        if scales[0] not in (torch.float32, "F32") or scales[1] != want:
+            return [f"{SCALES_KEY} is {scales[0]} {scales[1]}, expected float32 {want}"]
+    return []
 
 
 def check_shard_file(path: Path, expected_ids: torch.Tensor | list[int] | None, spec: ShardSpec) -> list[str]:
@@ -125,12 +231,13 @@ def check_shard_file(path: Path, expected_ids: torch.Tensor | list[int] | None, 
     if not path.is_file():
         return ["missing"]
     try:
-        data = read_shard(path)
+        data = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         return [f"unreadable ({e.__class__.__name__}: {str(e)[:80]})"]
-    missing = {"token_ids", "hidden_states"} - set(data)
-    if missing:
-        return [f"missing keys {sorted(missing)} (found {sorted(data)})"]
+    found = format_problems(data, spec)
+    if found:
+        return found
+    data = dequantize(data, spec.dtype)
     return problems(data["token_ids"], data["hidden_states"], expected_ids, spec)
 
 
@@ -148,6 +255,10 @@ def check_shard_header(path: Path, expected_ids: torch.Tensor | list[int] | None
             hs = f.get_slice("hidden_states")
             shape, dtype = list(hs.get_shape()), SAFETENSORS_DTYPES.get(hs.get_dtype(), hs.get_dtype())
             token_ids = f.get_tensor("token_ids")
+            scales = None
+            if SCALES_KEY in keys:
+                sc = f.get_slice(SCALES_KEY)
+                scales = (SAFETENSORS_DTYPES.get(sc.get_dtype(), sc.get_dtype()), list(sc.get_shape()))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         return [f"unreadable ({e.__class__.__name__}: {str(e)[:80]})"]
     out: list[str] = []
@@ -156,8 +267,7 @@ def check_shard_header(path: Path, expected_ids: torch.Tensor | list[int] | None
     want = [token_ids.shape[0] if token_ids.dim() >= 1 else -1, spec.n_slots, spec.hidden_size]
     if shape != want:
         out.append(f"hidden_states shape {shape}, expected [T, n_aux+1, H] = {want}")
-    if dtype != spec.dtype:
-        out.append(f"hidden_states dtype {dtype}, expected {spec.dtype}")
+    out += _storage_problems(dtype, shape, scales, spec)
     if expected_ids is not None:
         expected = torch.as_tensor(expected_ids, dtype=torch.int64)
         if expected.shape != token_ids.shape or not torch.equal(expected, token_ids.to(torch.int64)):

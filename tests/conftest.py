@@ -78,9 +78,10 @@ def reference_states(model, input_ids, layer_ids: list[int]):
 
 
 def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: int = 12, n_val: int = 4,
-                  seq_len: int = 48, layer_ids: list[int] | None = None, seed: int = 0):
+                  seq_len: int = 48, layer_ids: list[int] | None = None, seed: int = 0, fp8: bool = False):
     """A run directory whose stage 02 outputs come from a real forward of a tiny random model (random token ids,
-    loss on the second half): lets stages 03-06 be tested without running stage 02. Returns (cfg, run_dir)."""
+    loss on the second half): lets stages 03-06 be tested without running stage 02. `fp8`: the shards in
+    speculators' FP8 format (extract.fp8_shards). Returns (cfg, run_dir)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -95,7 +96,8 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
     ids = resolve_layer_ids(layer_ids or [1, 2, 3], info.num_layers)
     cfg = load_config(None, [f"run.output_root={out_root}", f"run.name={run}", f"target.model={model_dir}",
                              f"target.layer_ids={ids[:-1]}", "data.self_distill=false", "train.dtype=float32",
-                             f"data.max_length={seq_len}", f"verifier.draft_vocab_size={min(256, info.vocab_size)}"])
+                             f"data.max_length={seq_len}", f"verifier.draft_vocab_size={min(256, info.vocab_size)}",
+                             f"extract.fp8_shards={str(fp8).lower()}"])
     rd = RunDir.create(cfg)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
@@ -107,7 +109,7 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
     loss_mask = torch.zeros(n, seq_len, dtype=torch.int64)
     loss_mask[:, seq_len // 2:] = 1
     dataset_dir = rd.path("dataset")
-    spec = shards.ShardSpec(len(ids), info.hidden_size, torch.bfloat16)
+    spec = shards.ShardSpec(len(ids), info.hidden_size, torch.bfloat16, fp8)
     for i in range(n):
         shards.write_shard(dataset_dir, i, rows[i], states[i], rows[i], spec)
     table = Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": loss_mask.tolist(), "seq_len": [seq_len] * n})
@@ -126,7 +128,7 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
         metrics={"samples": n, "train_rows": n_train, "val_rows": n_val, "tokens": n * seq_len,
                  "bytes": int(states.numel() * 2), "layer_ids": ids, "hidden_size": info.hidden_size,
                  "num_layers": info.num_layers, "vocab_size": info.vocab_size, "dtype": "bfloat16",
-                 "tokens_per_s": None})
+                 "fp8_shards": fp8, "tokens_per_s": None})
     return cfg, rd
 
 

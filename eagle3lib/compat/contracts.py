@@ -366,6 +366,33 @@ def probe_vocab_mapping(fn: Any) -> str | None:
     return "d2t offsets, t2d bool mask"
 
 
+def probe_fp8_transfer(cls: Any) -> str | None:
+    """An FP8 shard the workbook writes (extract.fp8_shards) reads back through speculators' FP8Transfer exactly as
+    through `shards.read_shard`, and is half the size of the bf16 one."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from eagle3lib import shards
+
+    states = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(0)) * torch.tensor([1., 4., 16., 64.])[:, None]
+    ids = torch.arange(5)
+    with tempfile.TemporaryDirectory() as d:
+        shards.shard_dir(Path(d)).mkdir()
+        for i, fp8 in enumerate((False, True)):
+            shards.write_shard(Path(d), i, ids, states.bfloat16(), ids, shards.ShardSpec(4, 64, torch.bfloat16, fp8))
+        theirs = cls(shards.shard_dir(Path(d)), dequantize_dtype=torch.bfloat16).get_cached(1)
+        ours = shards.read_shard(shards.shard_path(Path(d), 1), torch.bfloat16)
+        sizes = [shards.shard_path(Path(d), i).stat().st_size for i in (0, 1)]
+    if set(theirs) != {"token_ids", "hidden_states"} or not torch.equal(theirs["hidden_states"], ours["hidden_states"]):
+        raise ContractMismatch(f"FP8Transfer read {sorted(theirs)} that differ from the workbook's dequantized shard")
+    err = ((ours["hidden_states"].float() - states).abs() / states.abs().amax(dim=(1, 2), keepdim=True)).max()
+    if err > 2 ** -4:
+        raise ContractMismatch(f"FP8 round trip error {float(err):.3g} of the token's max (e4m3: at most 1/16)")
+    return f"FP8 round trip within {float(err):.3g} of each token's max; {sizes[1]} vs {sizes[0]} bytes in bf16"
+
+
 def probe_transformers_hidden_states(cls: Any) -> str | None:
     """transformers' hidden_states[k] is the stream entering layer k and the last entry is POST-norm; the pre-norm
     final state comes from a forward hook on the last decoder layer (what stage 02's transformers backend does)."""
@@ -555,9 +582,14 @@ CONTRACTS: list[Contract] = [
              "build_vocab_mappings_from_distribution(token_freq_dict, draft_vocab_size, target_vocab_size) → "
              "(d2t offsets, t2d bool mask)", probe_vocab_mapping, ("04",), ("speculators",), kind="probe"),
     Contract("speculators.ArrowDataset", _S, "speculators.train.data:ArrowDataset.__init__",
-             "ArrowDataset(max_len, datapath, ..., train_ratio, split, hidden_states_dtype)",
-             both(params_start("max_len", "datapath"), has_params("train_ratio", "split", "hidden_states_dtype")),
+             "ArrowDataset(max_len, datapath, transfer, ..., train_ratio, split, hidden_states_dtype)",
+             both(params_start("max_len", "datapath"), has_params("transfer", "train_ratio", "split",
+                                                                   "hidden_states_dtype")),
              ("05",), ("speculators",)),
+    Contract("speculators.FP8Transfer", _S, "hs_connectors.transfer:FP8Transfer",
+             "FP8Transfer(hidden_states_path, dequantize_dtype).get_cached(i): speculators' FP8 shards (e4m3, one "
+             "float32 scale per token under 'hidden_states_scales') back in the training dtype",
+             probe_fp8_transfer, ("02", "05"), ("speculators",), kind="probe"),
     Contract("speculators.Trainer.__init__", _S, "speculators.train.trainer:Trainer.__init__",
              "Trainer(model, config, train_loader, val_loader=None)",
              params_start("model", "config", "train_loader", "val_loader"), ("05",), ("speculators",)),

@@ -38,11 +38,7 @@ ProgressFn = Callable[[int, int], None]  # (rows done, tokens done) since the la
 
 # ----------------------------------------------------------------------------------------------------- helpers
 def shard_spec(cfg: WorkbookConfig, layer_ids: list[int], hidden_size: int) -> shards.ShardSpec:
-    return shards.ShardSpec(len(layer_ids), hidden_size, shards.DTYPES[cfg.extract.dtype])
-
-
-def bytes_per_token(spec: shards.ShardSpec) -> int:
-    return spec.n_slots * spec.hidden_size * torch.tensor([], dtype=spec.dtype).element_size()
+    return shards.ShardSpec(len(layer_ids), hidden_size, shards.DTYPES[cfg.extract.dtype], cfg.extract.fp8_shards)
 
 
 def valid_shards(dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec, threads: int = 4) -> set[int]:
@@ -173,7 +169,7 @@ def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: P
 
 
 def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir: str,
-               rows: list[tuple[int, list[int]]], device: str, spec_args: tuple[int, int, str], queue: Any) -> None:
+               rows: list[tuple[int, list[int]]], device: str, spec_args: tuple[int, int, str, bool], queue: Any) -> None:
     """One data-parallel process: its own GPU, its own backend and writer threads, progress to the parent."""
     from eagle3lib.config import WorkbookConfig
     from eagle3lib.extract.backends.transformers_backend import TransformersBackend
@@ -182,7 +178,7 @@ def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         cfg = WorkbookConfig.model_validate_json(cfg_json)
-        spec = shards.ShardSpec(spec_args[0], spec_args[1], shards.DTYPES[spec_args[2]])
+        spec = shards.ShardSpec(spec_args[0], spec_args[1], shards.DTYPES[spec_args[2]], spec_args[3])
         backend = TransformersBackend(cfg, Path(model_dir), layer_ids, device=device)
         queue.put(("ready", device, None))
         try:
@@ -221,7 +217,7 @@ def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list
             continue
         p = ctx.Process(target=_dp_worker, args=(cfg.model_dump_json(), str(model_dir), layer_ids, str(dataset_dir),
                                                  [(i, input_ids[i]) for i in share], dev,
-                                                 (spec.n_slots, spec.hidden_size, cfg.extract.dtype), queue),
+                                                 (spec.n_slots, spec.hidden_size, cfg.extract.dtype, spec.fp8), queue),
                         daemon=True)
         p.start()
         procs.append(p)
@@ -261,9 +257,9 @@ def plan(cfg: WorkbookConfig, prepared: Any, target: ResolvedTarget) -> dict[str
     return {"samples": len(prepared), "train_rows": prepared.n_train, "val_rows": prepared.n_val,
             "tokens": tokens, "loss_tokens": sum(sum(m) for m in prepared.loss_mask),
             "mean_len": round(tokens / max(1, len(prepared)), 1), "layer_ids": layer_ids,
-            "bytes_per_token": bytes_per_token(spec), "disk_bytes": tokens * bytes_per_token(spec),
-            "disk_gb": round(tokens * bytes_per_token(spec) / 1e9, 3), "backend": cfg.extract.backend,
-            "dtype": cfg.extract.dtype}
+            "bytes_per_token": spec.bytes_per_token(), "disk_bytes": tokens * spec.bytes_per_token(),
+            "disk_gb": round(tokens * spec.bytes_per_token() / 1e9, 3), "backend": cfg.extract.backend,
+            "dtype": cfg.extract.dtype, "shards": "FP8 (e4m3 + a per-token scale)" if spec.fp8 else cfg.extract.dtype}
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -282,7 +278,7 @@ def disk_full_error(dataset_dir: Path, input_ids: list[list[int]], spec: shards.
     done = {int(p.stem.removeprefix("hs_")) for p in shards.shard_dir(dataset_dir).glob("hs_*.safetensors")
             if p.stem.removeprefix("hs_").isdigit()}
     rest = [i for i in range(len(input_ids)) if i not in done]
-    need = sum(len(input_ids[i]) for i in rest) * bytes_per_token(spec) + 1_000_000  # + the table, token_freq
+    need = sum(len(input_ids[i]) for i in rest) * spec.bytes_per_token() + 1_000_000  # + the table, token_freq
     free = shutil.disk_usage(dataset_dir).free if dataset_dir.exists() else 0
     return WorkbookError(
         f"the disk is full: writing to {dataset_dir} failed with {len(done & set(range(len(input_ids))))} of "
@@ -296,7 +292,7 @@ def require_disk(dataset_dir: Path, input_ids: list[list[int]], todo: list[int],
     """Before the first shard: the rows still to extract must fit the free space (their real token count × bytes per
     token, plus the table), else one error saying how many of them fit. Nothing is written before it, and the
     replies stage 02 generated are cached, so the rerun after freeing space starts where this one stopped."""
-    per_token = bytes_per_token(spec)
+    per_token = spec.bytes_per_token()
     margin = 1_000_000 + 16 * sum(len(r) for r in input_ids)  # the table (int64 input_ids + loss_mask), token_freq
     need = sum(len(input_ids[i]) for i in todo) * per_token + margin
     free = shutil.disk_usage(dataset_dir).free
@@ -355,6 +351,8 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
     todo = [i for i in range(len(input_ids)) if i not in keep]
     todo_tokens = sum(len(input_ids[i]) for i in todo)
     if todo:
+        if spec.fp8:
+            shards.require_fp8_reader()
         require_disk(dataset_dir, input_ids, todo, spec)
     metrics: dict[str, Any] = {"resumed_shards": len(keep), "computed_shards": len(todo), "computed_tokens": todo_tokens,
                                "tokens_per_s": None, "load_seconds": 0.0, "capture_seconds": 0.0}
@@ -455,7 +453,7 @@ def capture_dataset(stage: StageRun, target: ResolvedTarget, prepared: Any, the_
         "train_ratio": shards.train_ratio(prepared.n_train, prepared.n_val),
         "tokens": prepared.tokens, "loss_tokens": the_plan["loss_tokens"], "bytes": n_bytes,
         "layer_ids": layer_ids, "hidden_size": info.hidden_size, "num_layers": info.num_layers,
-        "vocab_size": info.vocab_size, "dtype": cfg.extract.dtype, "backend": cfg.extract.backend,
+        "vocab_size": info.vocab_size, "dtype": cfg.extract.dtype, "fp8_shards": cfg.extract.fp8_shards, "backend": cfg.extract.backend,
         "tokens_per_s": ext["tokens_per_s"], "extract": ext, "extract_seconds": round(time.time() - t0, 2),
         "eval_prompts": len(prepared.eval_prompts), "distinct_loss_tokens": len(freq),
         "split": {"eval": len(prepared.eval_prompts), "train": prepared.n_train, "val": prepared.n_val,

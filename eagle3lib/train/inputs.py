@@ -78,7 +78,7 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
         model_dir=model_dir, verifier_dir=verifier_dir, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab)
 
 
-def check_shards(inp: TrainInputs, dtype: str, threads: int = 8) -> None:
+def check_shards(inp: TrainInputs, spec: shards.ShardSpec, threads: int = 8) -> None:
     """Every shard's header and token ids, before the Trainer starts (`shards.check_shard_header`, no states read).
 
     Why: speculators meets a bad shard mid-epoch with a raw error (truncated or empty file: a SafetensorError from its
@@ -89,7 +89,6 @@ def check_shards(inp: TrainInputs, dtype: str, threads: int = 8) -> None:
     from datasets import load_from_disk
 
     rows = load_from_disk(str(inp.dataset_dir)).with_format(None)["input_ids"]
-    spec = shards.ShardSpec(len(inp.aux_layer_ids) + 1, inp.hidden_size, shards.DTYPES[dtype])
     with ThreadPoolExecutor(threads) as pool:
         found = list(pool.map(lambda i: shards.check_shard_header(shards.shard_path(inp.dataset_dir, i), rows[i], spec),
                               range(len(rows))))

@@ -75,6 +75,17 @@ def _counting_loader_class():
     return CountingLoader
 
 
+def fp8_aware_transfer(hidden_states_dir, dtype: torch.dtype):
+    """speculators' FP8Transfer: its FileTransfer (what ArrowDataset reads shards with by default) that dequantizes
+    an FP8 shard (extract.fp8_shards) into `dtype` and returns any other shard as stored, so one data path reads
+    both formats (docs/engines.md#fp8-hidden-state-shards)."""
+    from pathlib import Path
+
+    from hs_connectors.transfer import FP8Transfer
+
+    return FP8Transfer(Path(hidden_states_dir), dequantize_dtype=dtype)
+
+
 def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0):
     """speculators' ArrowDataset + packing sampler + collate (its data path), in our DataLoader (token counting;
     pinned memory only where there is a GPU to copy to)."""
@@ -84,13 +95,16 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
     from speculators.train.distributed import get_dp_rank, get_dp_size
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
+    from eagle3lib.shards import shard_dir
+
     dtype = getattr(torch, res.hidden_states_dtype)
+    transfer = fp8_aware_transfer(shard_dir(inp.dataset_dir), dtype)
     loader_cls = _counting_loader_class()
     loaders = []
     for split in ("train", "val"):
         ds = ArrowDataset(max_len=tcfg.packing_length, datapath=str(inp.dataset_dir), on_missing="raise",
                           train_ratio=inp.train_ratio, split=split, hidden_states_dtype=dtype,
-                          model=str(inp.verifier_dir))
+                          model=str(inp.verifier_dir), transfer=transfer)
         if ds.data.format.get("type") != "torch":  # speculators compares rows with torch.equal: needs tensors
             ds.data = ds.data.with_format("torch")
         sampler = MultipackDistributedBatchSamplerV2(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3lib import atomic
+from eagle3lib import atomic, shards
 from eagle3lib.config import TrainSection, WorkbookConfig
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import RunDir
@@ -52,7 +52,7 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
     res = resolved or resolve_settings(tcfg, device)
     patched = _setup_process(res, cfg.run.seed)
     inp = inputs_from_run(rd)
-    check_shards(inp, rd.read_manifest("02")["metrics"].get("dtype", "bfloat16"))
+    check_shards(inp, shards.spec_from_metrics(rd.read_manifest("02")["metrics"]))
     save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
 
     model, train_kwargs, val_kwargs, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)

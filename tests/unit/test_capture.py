@@ -145,7 +145,7 @@ def test_rows_that_do_not_fit_the_free_disk_stop_before_the_first_shard(tmp_path
     ids = [t for _, t in rows]
     masks = [[1] * len(t) for t in ids]
     ddir = tmp_path / "dataset"
-    per_token = capture.bytes_per_token(capture.shard_spec(cfg, LAYER_IDS, 64))
+    per_token = capture.shard_spec(cfg, LAYER_IDS, 64).bytes_per_token()
     margin = 1_000_000 + 16 * sum(len(t) for t in ids)
     free = margin + per_token * sum(len(t) for t in ids[:4]) + per_token // 2  # rows 0-3 fit, row 4 does not
     usage = namedtuple("usage", "total used free")
