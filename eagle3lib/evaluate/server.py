@@ -61,8 +61,9 @@ def server_environment(cache_root: Path) -> dict[str, str]:
     from eagle3lib.device import on_cpu
 
     env = subprocess_env(cache_root)
-    if not on_cpu():
+    if not on_cpu():  # the CPU's settings: a GPU server ignores the KV size, but the report card would show it
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
