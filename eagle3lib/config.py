@@ -193,6 +193,10 @@ class ExtractSection(Section):
         "is at most 4 GB; always = that transformers load whatever the size; never = no probe."
     )
     probe_rows: int = Field(4, ge=1, description="Rows of the dataset the capture probe runs (the longest first).")
+    online_sample_rows: int = Field(
+        64, ge=1, description="train.hidden_states: online only: stage 02 still writes shards for this many rows (the "
+        "first train rows and the first validation rows, in proportion to the split) so that stage 03 validates and "
+        "plots real states and stage 06's offline method has rows to simulate (docs/engines.md#online-hidden-states).")
 
 
 class InspectSection(Section):
@@ -239,6 +243,13 @@ class TrainSection(Section):
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
     val_every: int = Field(1, description="Validate every N epochs.")
     save_every: int = Field(1, description="Checkpoint every N epochs.")
+    hidden_states: Literal["offline", "online"] = Field(
+        "offline", description="Where stage 05 gets the target's hidden states. offline = stage 02 extracts them once "
+        "to disk ((aux+1) x hidden x 2 bytes per token in bf16) and every epoch reads them back: the cheap choice for "
+        "several epochs when the disk holds them. online = the target runs inside stage 05, on the training device, "
+        "for every batch of every epoch: no disk for states (stage 02 writes only extract.online_sample_rows shards), "
+        "at the price of one target forward per batch per epoch and the target's memory beside the draft's "
+        "(docs/engines.md#online-hidden-states). Changing it reruns stage 02.")
     num_workers: int | Literal["auto"] = Field(
         "auto", description="Data loader worker processes: auto = 0 on CPU (no spare cores), 8 per GPU process "
         "(each packed 8k batch of an 8B target is ~270 MB of shards to read and pack)."

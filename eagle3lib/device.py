@@ -50,3 +50,21 @@ def dtype_name(setting: str, device: str | None = None) -> str:
 def torch_dtype(setting: str, device: str | None = None) -> torch.dtype:
     """`dtype_name` as a torch dtype."""
     return getattr(torch, dtype_name(setting, device))
+
+
+def free_bytes(device: str) -> int:
+    """Memory free on `device` now: a GPU's free memory (torch.cuda.mem_get_info), or for the CPU the host's
+    MemAvailable (/proc/meminfo; physical pages times the page size where there is no /proc). What decides whether a
+    model may be loaded beside what already runs there (stage 05's online target)."""
+    if str(device).startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -17,7 +17,7 @@ from pathlib import Path
 from eagle3lib import atomic
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
-from eagle3lib.extract.estimate import estimate_data
+from eagle3lib.extract.estimate import DataEstimate, estimate_data
 from eagle3lib.rundir import StageResult, StageRun
 from eagle3lib.target import TargetInfo, describe_target, resolve_layer_ids, resolve_model_path
 
@@ -123,16 +123,24 @@ def disk_check(cfg: WorkbookConfig, model_dir: Path, info: TargetInfo, n_aux: in
     token count before its first shard, so a warning costs nothing but a look."""
     est = estimate_data(cfg, model_dir)
     per_token = extraction_bytes_per_token(info, n_aux, cfg)
+    online = cfg.train.hidden_states == "online"
+    if online:  # stage 02 writes shards for extract.online_sample_rows rows only; stage 05 computes the rest
+        share = min(1.0, cfg.extract.online_sample_rows / max(est.rows, 1))
+        est = DataEstimate(min(est.rows, cfg.extract.online_sample_rows), round(est.tokens * share),
+                           round(est.upper_bound_tokens * share), est.per_source)
     need, bound = est.tokens * per_token, est.upper_bound_tokens * per_token
     run_root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(run_root).free
     facts["disk"] = {"bytes_per_token": per_token, "planned_samples": est.rows, "estimated_tokens": est.tokens,
                      "estimated_bytes": need, "upper_bound_bytes": bound, "free_bytes": free,
-                     "sources": est.per_source}
+                     "sources": est.per_source, "hidden_states": cfg.train.hidden_states}
     guessed = [s["kind"] for s in est.per_source if not s["known"]]
     detail = (f"≈ {need / 1e9:.2f} GB estimated for {est.rows} rows (≈ {est.tokens / max(est.rows, 1):.0f} tokens "
               f"each × {per_token / 1e3:.1f} KB/token), ≤ {bound / 1e9:.2f} GB if every row reached "
               f"data.max_length={cfg.data.max_length}; {free / 1e9:.1f} GB free at {run_root}")
+    if online:
+        detail = ("train.hidden_states: online: almost no disk for states, stage 05 computes them on the training "
+                  f"device; only the extract.online_sample_rows sample shards are written: {detail}")
     if guessed:
         detail += f" (size of {', '.join(guessed)} sources unknown before stage 02: counted at max_length)"
     if need > free:

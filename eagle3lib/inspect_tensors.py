@@ -13,7 +13,9 @@ streaming pass (one shard in memory at a time, long shards in token chunks), and
   pass, so the result does not depend on chunking, and sharding the pass over workers later changes nothing.
 
 Sampled mode (`inspect.sample_shards`) computes the statistics on a seeded random subset and says so in the report;
-validation always covers every shard. Same data and config in, same numbers out, whichever backend wrote the shards.
+validation always covers every shard. Online mode (`train.hidden_states: online`): stage 02 wrote shards for its
+sample rows only (`shards.shard_rows`), so validation and statistics cover those, and the report's mode says so
+(docs/engines.md#online-hidden-states). Same data and config in, same numbers out, whichever backend wrote the shards.
 """
 
 from __future__ import annotations
@@ -347,9 +349,18 @@ class Inspection:
     stats: SlotStats
     stats_indices: list[int] | None  # None = every shard
     seed: int
+    online_rows: list[int] | None = None  # online mode: the only rows with a shard
 
     @property
     def mode(self) -> str:
+        if self.online_rows is not None:
+            n = len(self.online_rows)
+            head = (f"online: the {n} sample shards stage 02 wrote (train.hidden_states: online; rows "
+                    f"{self.online_rows[:8]}{' ...' if n > 8 else ''}) of {self.rows} rows; stage 05 computes the "
+                    "states of every row itself")
+            if self.stats_indices is None:
+                return head
+            return f"{head}; statistics on {len(self.stats_indices)} of them chosen at random (seed {self.seed})"
         if self.stats_indices is None:
             return f"all {self.rows} shards"
         return f"sampled: {len(self.stats_indices)} of {self.rows} shards chosen at random (seed {self.seed})"
@@ -361,6 +372,7 @@ class Inspection:
                      "dtype": str(self.spec.dtype).removeprefix("torch."), "layer_ids": self.layer_ids},
             "validation": self.validation.summary(first),
             "statistics": {"mode": self.mode, "sampled": self.stats_indices is not None,
+                           "online_rows": self.online_rows,
                            "sample_indices": self.stats_indices, "outlier_factor": outlier_factor,
                            **self.stats.summary(self.layer_ids, outlier_factor)},
         }
@@ -392,7 +404,8 @@ def open_dataset(dataset_dir: Path):
 def scan(dataset_dir: str | Path, spec: shards.ShardSpec, layer_ids: list[int], *, sample_shards: int | None = None,
          seed: int = 0, indices: list[int] | None = None, progress: bool = True, threads: int | None = 1
          ) -> Inspection:
-    """One streaming pass: validate every shard (or `indices`), add valid ones to the statistics (all or a sample).
+    """One streaming pass: validate every shard (or `indices`: the online sample rows), add valid ones to the
+    statistics (all, or a seeded sample of them).
 
     Shards are visited in index order whatever is sampled, so the same data gives the same numbers. `threads` sets
     torch's CPU threads for the pass only (restored after): per-shard tensors are small, and on a busy machine
@@ -416,7 +429,8 @@ def _scan(dataset_dir: Path, spec: shards.ShardSpec, layer_ids: list[int], sampl
     ds = ds.select_columns(columns).with_format(None)  # plain Python values whatever format stage 02 saved
     rows = len(ds)
     wanted = list(range(rows)) if indices is None else sorted(indices)
-    sample = choose_sample(rows, sample_shards, seed)
+    picked = choose_sample(len(wanted), sample_shards, seed)  # positions in `wanted` (= rows when indices is None)
+    sample = None if picked is None else [wanted[j] for j in picked]
     in_stats = set(wanted if sample is None else sample)
     total = int(sum(ds["seq_len"])) if "seq_len" in columns and indices is None else None
     validation, stats = Validation(), SlotStats(spec.n_slots, spec.hidden_size)
@@ -433,7 +447,8 @@ def _scan(dataset_dir: Path, spec: shards.ShardSpec, layer_ids: list[int], sampl
             bar.update(len(row["input_ids"]))
             bar.set_postfix(invalid=len(validation.invalid), refresh=False)
     validation.stray = stray_files(dataset_dir, rows)
-    return Inspection(dataset_dir, spec, layer_ids, rows, validation, stats, sample, seed)
+    return Inspection(dataset_dir, spec, layer_ids, rows, validation, stats, sample, seed,
+                      None if indices is None else wanted)
 
 
 def stray_files(dataset_dir: Path, rows: int) -> list[str]:
@@ -461,6 +476,7 @@ def manifest_metrics(result: Inspection) -> dict[str, Any]:
     summary = result.stats.summary(result.layer_ids)
     return {"shards": result.validation.checked, "invalid": len(result.validation.invalid),
             "stats_shards": result.stats.shards, "sampled": result.stats_indices is not None,
+            "online": result.online_rows is not None,
             "tokens": result.stats.tokens, "norm_mean": [round(s["norm_mean"], 6) for s in summary["slots"]],
             "cos_consecutive": [round(c, 6) for c in summary["cos_consecutive"]],
             "cos_last_aux_final": summary["cos_last_aux_final"]}
@@ -582,6 +598,10 @@ FIGURES = ("norm_hist", "dim_std", "cos_heatmap", "norm_by_position", "example_h
 def make_figure(result: Inspection, name: str, rd: Any, example_index: int = 0) -> Path:
     """One stage-03 figure (a name of FIGURES), saved as figures/03_<name>.png (and shown inline in a notebook)."""
     if name == "example_heatmap":
+        if result.online_rows is not None and example_index not in result.online_rows:
+            raise WorkbookError(f"inspect.example_index={example_index} has no shard: stage 02 ran online and wrote "
+                                f"shards for rows {result.online_rows[:8]}{' ...' if len(result.online_rows) > 8 else ''}",
+                                "set inspect.example_index to one of them")
         example = load_example(result.dataset_dir, example_index, result.rows)
         fig = fig_example_heatmap(example, result.layer_ids, example_index)
     else:
@@ -602,9 +622,11 @@ def scan_stage(stage: StageRun) -> InspectResult:
     """Step 1: one pass over stage 02's shards; inspect/report.json and inspect/stats.safetensors written (also when
     shards are invalid, so the report names them)."""
     cfg = stage.cfg.inspect
-    spec, layer_ids = spec_from_manifest(stage.rd.read_manifest("02")["metrics"])
+    metrics = stage.rd.read_manifest("02")["metrics"]
+    spec, layer_ids = spec_from_manifest(metrics)
     result = scan(stage.rd.output("02", "dataset"), spec, layer_ids, sample_shards=cfg.sample_shards,
-                  seed=stage.cfg.run.seed, threads=cfg.threads)
+                  seed=stage.cfg.run.seed, threads=cfg.threads,
+                  indices=shards.shard_rows(metrics, 0) if shards.online(metrics) else None)
     outputs: dict[str, Any] = write_outputs(result, stage.rd.path("inspect"), cfg.outlier_factor, cfg.report_first)
     return InspectResult(outputs, manifest_metrics(result), result)
 

@@ -79,6 +79,20 @@ def spec_from_metrics(metrics: dict) -> ShardSpec:
                      DTYPES[str(metrics["dtype"]).removeprefix("torch.")], bool(metrics.get("fp8_shards", False)))
 
 
+def online(metrics: dict) -> bool:
+    """Stage 02 ran for train.hidden_states: online (its manifest says so): shards exist for a few sample rows only,
+    stage 05 computes every row's states itself (docs/engines.md#online-hidden-states)."""
+    return metrics.get("hidden_states", "offline") == "online"
+
+
+def shard_rows(metrics: dict, rows: int) -> list[int]:
+    """The dataset rows that have a shard, as stage 02 recorded them: every row of an offline run, the sample rows
+    (`metrics["shard_rows"]`, sorted) of an online one. Stages 03, 05 and 06 read this, never guess from the disk."""
+    if online(metrics):
+        return sorted(int(i) for i in metrics["shard_rows"])
+    return list(range(rows))
+
+
 def fp8_dtype() -> torch.dtype:
     """torch.float8_e4m3fn, or one clear error on a torch without it (nothing has been written yet)."""
     dtype = getattr(torch, "float8_e4m3fn", None)

@@ -32,10 +32,12 @@ class Stage:
 
 
 ALL_STAGES: tuple[Stage, ...] = (
-    Stage("00", "environment", ("target", "extract"), (), "environment and GPU check"),
+    # 00 and 02 read train.hidden_states: online mode needs (and writes) shards for a few sample rows only
+    Stage("00", "environment", ("target", "extract", "train.hidden_states"), (), "environment and GPU check"),
     Stage("01", "patches", ("target", "extract", "evaluate"), (), "contract audit and compatibility patches"),
     # 02 reads evaluate.benchmarks: it writes their prompts and drops the training conversations that overlap them
-    Stage("02", "extract_hidden_states", ("run", "target", "data", "extract", "evaluate.benchmarks"), (),
+    Stage("02", "extract_hidden_states", ("run", "target", "data", "extract", "evaluate.benchmarks",
+                                          "train.hidden_states"), (),
           "training data and hidden states"),
     Stage("03", "inspect_tensors", ("inspect",), ("02",), "validate and look at the hidden states"),
     Stage("04", "verifier_weights", ("verifier",), ("02",), "verifier embedding/lm_head/norm and draft vocabulary"),

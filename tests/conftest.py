@@ -78,10 +78,14 @@ def reference_states(model, input_ids, layer_ids: list[int]):
 
 
 def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: int = 12, n_val: int = 4,
-                  seq_len: int = 48, layer_ids: list[int] | None = None, seed: int = 0, fp8: bool = False):
+                  seq_len: int = 48, layer_ids: list[int] | None = None, seed: int = 0, fp8: bool = False,
+                  online: bool = False, dtype: str = "bfloat16", overrides: tuple[str, ...] = ()):
     """A run directory whose stage 02 outputs come from a real forward of a tiny random model (random token ids,
     loss on the second half): lets stages 03-06 be tested without running stage 02. `fp8`: the shards in
-    speculators' FP8 format (extract.fp8_shards). Returns (cfg, run_dir)."""
+    speculators' FP8 format (extract.fp8_shards). `online`: stage 02 as train.hidden_states: online leaves it
+    (shards only for the sample rows, `capture.online_sample_rows`, recorded in the manifest). `dtype`: the shards'
+    extract.dtype. `overrides`: more config overrides (they shape the stage 02 manifest's hash). Returns (cfg,
+    run_dir)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -97,7 +101,8 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
     cfg = load_config(None, [f"run.output_root={out_root}", f"run.name={run}", f"target.model={model_dir}",
                              f"target.layer_ids={ids[:-1]}", "data.self_distill=false", "train.dtype=float32",
                              f"data.max_length={seq_len}", f"verifier.draft_vocab_size={min(256, info.vocab_size)}",
-                             f"extract.fp8_shards={str(fp8).lower()}"])
+                             f"extract.fp8_shards={str(fp8).lower()}", f"extract.dtype={dtype}",
+                             f"train.hidden_states={'online' if online else 'offline'}", *overrides])
     rd = RunDir.create(cfg)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
@@ -105,12 +110,15 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
     rows = torch.randint(0, info.vocab_size, (n, seq_len), generator=g)
     # a little structure so a draft can learn something: every odd token repeats the previous one
     rows[:, 1::2] = rows[:, 0::2]
-    states = reference_states(model, rows, ids).to(torch.bfloat16)
+    states = reference_states(model, rows, ids).to(shards.DTYPES[dtype])
     loss_mask = torch.zeros(n, seq_len, dtype=torch.int64)
     loss_mask[:, seq_len // 2:] = 1
     dataset_dir = rd.path("dataset")
-    spec = shards.ShardSpec(len(ids), info.hidden_size, torch.bfloat16, fp8)
-    for i in range(n):
+    spec = shards.ShardSpec(len(ids), info.hidden_size, shards.DTYPES[dtype], fp8)
+    from eagle3lib.extract.capture import online_sample_rows
+
+    shard_rows = online_sample_rows(n_train, n_val, cfg.extract.online_sample_rows) if online else list(range(n))
+    for i in shard_rows:
         shards.write_shard(dataset_dir, i, rows[i], states[i], rows[i], spec)
     table = Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": loss_mask.tolist(), "seq_len": [seq_len] * n})
     table.set_format("torch")  # speculators compares token ids with torch.equal
@@ -126,9 +134,11 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
         "dataset": dataset_dir, "token_freq": rd.path("token_freq.pt"), "eval_prompts": rd.path("data/eval.jsonl"),
         "train_conversations": rd.path("data/train.jsonl"), "model_dir": str(model_dir)},
         metrics={"samples": n, "train_rows": n_train, "val_rows": n_val, "tokens": n * seq_len,
-                 "bytes": int(states.numel() * 2), "layer_ids": ids, "hidden_size": info.hidden_size,
-                 "num_layers": info.num_layers, "vocab_size": info.vocab_size, "dtype": "bfloat16",
-                 "fp8_shards": fp8, "tokens_per_s": None})
+                 "bytes": int(states[shard_rows].numel() * states.element_size()), "layer_ids": ids,
+                 "hidden_size": info.hidden_size, "num_layers": info.num_layers, "vocab_size": info.vocab_size,
+                 "dtype": dtype, "fp8_shards": fp8, "tokens_per_s": None,
+                 "hidden_states": "online" if online else "offline",
+                 **({"shard_rows": shard_rows} if online else {})})
     return cfg, rd
 
 

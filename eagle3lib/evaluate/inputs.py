@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3lib import shards
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import StageRun
 
@@ -31,6 +32,7 @@ class EvalInputs:
     # evaluate.benchmarks as stage 02 wrote them: {name: data/bench_<name>.jsonl}, and {name: its counts}
     benchmarks: dict[str, Path] = field(default_factory=dict)
     benchmark_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    shard_rows: list[int] | None = None  # train.hidden_states: online: the only rows with a shard (None = all)
 
 
 def inputs_from_run(stage: StageRun) -> EvalInputs:
@@ -49,7 +51,8 @@ def inputs_from_run(stage: StageRun) -> EvalInputs:
                       val_rows=int(m02["metrics"]["val_rows"]), train_metrics=m05.get("metrics", {}),
                       benchmarks={key.removeprefix("benchmark_"): rd.root / path
                                   for key, path in m02["outputs"].items() if key.startswith("benchmark_")},
-                      benchmark_info=m02["metrics"].get("benchmarks") or {})
+                      benchmark_info=m02["metrics"].get("benchmarks") or {},
+                      shard_rows=shards.shard_rows(m02["metrics"], 0) if shards.online(m02["metrics"]) else None)
 
 
 def held_out_categories(inp: EvalInputs, limit: int | None) -> list[str] | None:

@@ -9,6 +9,9 @@ backend ran lives here:
 - token_freq over the loss-masked tokens of the TRAIN rows (stage 04 builds the draft vocabulary from it);
 - the dataset table (input_ids, loss_mask, seq_len; torch format, as speculators reads it) is written last.
 - data parallel (transformers backend): one process per visible GPU, each capturing a token-balanced share.
+- online mode (`train.hidden_states: online`): the table and token_freq as always, but shards only for the
+  `online_sample_rows` rows (recorded in the manifest as `shard_rows`); stage 05 computes the rest itself
+  (docs/engines.md#online-hidden-states).
 
 """
 
@@ -41,12 +44,26 @@ def shard_spec(cfg: WorkbookConfig, layer_ids: list[int], hidden_size: int) -> s
     return shards.ShardSpec(len(layer_ids), hidden_size, shards.DTYPES[cfg.extract.dtype], cfg.extract.fp8_shards)
 
 
-def valid_shards(dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec, threads: int = 4) -> set[int]:
-    """Rows whose shard on disk is complete and right for this dataset (resume keeps them untouched)."""
+def online_sample_rows(n_train: int, n_val: int, k: int) -> list[int]:
+    """The rows stage 02 writes shards for in online mode: the first rows of the train split and the first of the
+    validation split, k in all, in proportion to the split (at least one validation row when there is one), so
+    stage 03 sees both splits and stage 06's offline method has validation rows. Every row when k covers them."""
+    if k >= n_train + n_val:
+        return list(range(n_train + n_val))
+    k_val = min(n_val, max(1 if n_val else 0, round(k * n_val / (n_train + n_val))))
+    k_train = min(n_train, k - k_val)
+    return list(range(k_train)) + list(range(n_train, n_train + k_val))
+
+
+def valid_shards(dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec, threads: int = 4,
+                 rows: list[int] | None = None) -> set[int]:
+    """Rows (of `rows`, default all) whose shard on disk is complete and right for this dataset (resume keeps them
+    untouched)."""
     sdir = shards.shard_dir(dataset_dir)
     if not sdir.is_dir():
         return set()
-    present = {i for i in range(len(input_ids)) if shards.shard_path(dataset_dir, i).is_file()}
+    rows = range(len(input_ids)) if rows is None else rows
+    present = {i for i in rows if shards.shard_path(dataset_dir, i).is_file()}
 
     def ok(i: int) -> bool:
         return not shards.check_shard_file(shards.shard_path(dataset_dir, i), input_ids[i], spec)
@@ -249,16 +266,26 @@ def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list
 
 
 # -------------------------------------------------------------------------------------------------- the stage
+def shard_rows_for(cfg: WorkbookConfig, n_train: int, n_val: int) -> list[int] | None:
+    """The rows stage 02 writes shards for: None = every row (offline), else the online sample rows."""
+    if cfg.train.hidden_states == "online":
+        return online_sample_rows(n_train, n_val, cfg.extract.online_sample_rows)
+    return None
+
+
 def plan(cfg: WorkbookConfig, prepared: Any, target: ResolvedTarget) -> dict[str, Any]:
-    """What the extraction will do: samples, tokens and the disk it will take."""
+    """What the extraction will do: samples, tokens and the disk it will take (online mode: the sample rows' only)."""
     layer_ids = target.layer_ids
     spec = shard_spec(cfg, layer_ids, target.info.hidden_size)
     tokens = prepared.tokens
+    rows = shard_rows_for(cfg, prepared.n_train, prepared.n_val)
+    on_disk = tokens if rows is None else sum(len(prepared.input_ids[i]) for i in rows)
     return {"samples": len(prepared), "train_rows": prepared.n_train, "val_rows": prepared.n_val,
             "tokens": tokens, "loss_tokens": sum(sum(m) for m in prepared.loss_mask),
             "mean_len": round(tokens / max(1, len(prepared)), 1), "layer_ids": layer_ids,
-            "bytes_per_token": spec.bytes_per_token(), "disk_bytes": tokens * spec.bytes_per_token(),
-            "disk_gb": round(tokens * spec.bytes_per_token() / 1e9, 3), "backend": cfg.extract.backend,
+            "hidden_states": cfg.train.hidden_states, "shards_written": len(prepared) if rows is None else len(rows),
+            "bytes_per_token": spec.bytes_per_token(), "disk_bytes": on_disk * spec.bytes_per_token(),
+            "disk_gb": round(on_disk * spec.bytes_per_token() / 1e9, 3), "backend": cfg.extract.backend,
             "dtype": cfg.extract.dtype, "shards": "FP8 (e4m3 + a per-token scale)" if spec.fp8 else cfg.extract.dtype}
 
 
@@ -272,17 +299,20 @@ def is_disk_full(e: BaseException) -> bool:
     return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
 
 
-def disk_full_error(dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec) -> WorkbookError:
+def disk_full_error(dataset_dir: Path, input_ids: list[list[int]], spec: shards.ShardSpec,
+                    rows: list[int] | None = None) -> WorkbookError:
     """One line: how far the run got, how much more the rest needs, what is free. Every shard under its final name is
-    complete (atomic writes), so the rerun keeps them."""
+    complete (atomic writes), so the rerun keeps them. `rows`: the rows that get a shard (None = all)."""
     done = {int(p.stem.removeprefix("hs_")) for p in shards.shard_dir(dataset_dir).glob("hs_*.safetensors")
             if p.stem.removeprefix("hs_").isdigit()}
-    rest = [i for i in range(len(input_ids)) if i not in done]
+    rows = list(range(len(input_ids))) if rows is None else rows
+    done &= set(rows)
+    rest = [i for i in rows if i not in done]
     need = sum(len(input_ids[i]) for i in rest) * spec.bytes_per_token() + 1_000_000  # + the table, token_freq
     free = shutil.disk_usage(dataset_dir).free if dataset_dir.exists() else 0
     return WorkbookError(
-        f"the disk is full: writing to {dataset_dir} failed with {len(done & set(range(len(input_ids))))} of "
-        f"{len(input_ids)} shards written; the remaining {len(rest)} shards need about {need / 1e9:.3f} GB "
+        f"the disk is full: writing to {dataset_dir} failed with {len(done)} of "
+        f"{len(rows)} shards written; the remaining {len(rest)} shards need about {need / 1e9:.3f} GB "
         f"({need:,} bytes), {free / 1e9:.3f} GB is free",
         f"free at least {need / 1e9:.3f} GB on that disk (or set run.output_root to a bigger one) and rerun: the shards "
         "already written are kept")
@@ -318,24 +348,27 @@ def _size(n: float) -> str:
 
 def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
             input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
-            backend: Any | None = None, probe_dir: Path | None = None) -> dict[str, Any]:
-    """Shards for every row (resuming), then the table. Returns metrics of this call (resumed, computed, tok/s).
+            backend: Any | None = None, probe_dir: Path | None = None, shard_rows: list[int] | None = None
+            ) -> dict[str, Any]:
+    """Shards for every row (or only `shard_rows`: online mode), resuming, then the table. Returns metrics of this
+    call (resumed, computed, tok/s).
 
     `probe_dir` (stage 02 passes the run folder): the capture probe (eagle3lib.extract.probe) runs on the started
     backend before its first shard and writes its report there; a failing probe stops the run with nothing written.
     A full disk stops the run with one line saying how much more space the rest needs (`disk_full_error`)."""
     try:
         return _extract(cfg, dataset_dir, model_dir, layer_ids, hidden_size, input_ids, loss_mask, progress, backend,
-                        probe_dir)
+                        probe_dir, shard_rows)
     except Exception as e:
         if not is_disk_full(e):
             raise
-        raise disk_full_error(dataset_dir, input_ids, shard_spec(cfg, layer_ids, hidden_size)) from None
+        raise disk_full_error(dataset_dir, input_ids, shard_spec(cfg, layer_ids, hidden_size), shard_rows) from None
 
 
 def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: list[int], hidden_size: int,
              input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
-             backend: Any | None = None, probe_dir: Path | None = None) -> dict[str, Any]:
+             backend: Any | None = None, probe_dir: Path | None = None, shard_rows: list[int] | None = None
+             ) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     spec = shard_spec(cfg, layer_ids, hidden_size)
@@ -347,8 +380,10 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
         idx = p.stem.removeprefix("hs_")
         if not idx.isdigit() or int(idx) >= len(input_ids):
             p.unlink()
-    keep = valid_shards(dataset_dir, input_ids, spec, cfg.extract.writer_threads)
-    todo = [i for i in range(len(input_ids)) if i not in keep]
+    rows = list(range(len(input_ids))) if shard_rows is None else list(shard_rows)
+    # online mode: shards of other rows (an earlier offline run) are left as they are, neither checked nor counted
+    keep = valid_shards(dataset_dir, input_ids, spec, cfg.extract.writer_threads, rows)
+    todo = [i for i in rows if i not in keep]
     todo_tokens = sum(len(input_ids[i]) for i in todo)
     if todo:
         if spec.fp8:
@@ -357,7 +392,7 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
     metrics: dict[str, Any] = {"resumed_shards": len(keep), "computed_shards": len(todo), "computed_tokens": todo_tokens,
                                "tokens_per_s": None, "load_seconds": 0.0, "capture_seconds": 0.0}
     if todo:
-        bar = tqdm(total=len(input_ids), initial=len(keep), desc="extract", unit="sample", disable=not progress)
+        bar = tqdm(total=len(rows), initial=len(keep), desc="extract", unit="sample", disable=not progress)
         state = {"tokens": 0, "t0": 0.0}
 
         def on_written(rows: int, tokens: int) -> None:
@@ -442,24 +477,30 @@ def capture_dataset(stage: StageRun, target: ResolvedTarget, prepared: Any, the_
     probe_file = rd.path(REPORT_FILE)
     if cfg.extract.probe == "never":
         probe_file.unlink(missing_ok=True)  # an earlier run's report does not describe this capture
+    rows = shard_rows_for(cfg, prepared.n_train, prepared.n_val)
     ext = extract(cfg, dataset_dir, model_dir, layer_ids, info.hidden_size, prepared.input_ids, prepared.loss_mask,
-                  progress=progress, backend=backend, probe_dir=None if cfg.extract.probe == "never" else rd.root)
+                  progress=progress, backend=backend, probe_dir=None if cfg.extract.probe == "never" else rd.root,
+                  shard_rows=rows)
     freq = token_freq(prepared.input_ids, prepared.loss_mask, prepared.n_train)
     with atomic.atomic_path(rd.path("token_freq.pt"), suffix=".pt") as tmp:
         torch.save(freq, tmp)
-    n_bytes = sum(p.stat().st_size for p in shards.shard_dir(dataset_dir).glob("hs_*.safetensors"))
+    n_bytes = sum(shards.shard_path(dataset_dir, i).stat().st_size
+                  for i in (range(len(prepared.input_ids)) if rows is None else rows))
     metrics = {
         "samples": len(prepared), "train_rows": prepared.n_train, "val_rows": prepared.n_val,
         "train_ratio": shards.train_ratio(prepared.n_train, prepared.n_val),
         "tokens": prepared.tokens, "loss_tokens": the_plan["loss_tokens"], "bytes": n_bytes,
         "layer_ids": layer_ids, "hidden_size": info.hidden_size, "num_layers": info.num_layers,
         "vocab_size": info.vocab_size, "dtype": cfg.extract.dtype, "fp8_shards": cfg.extract.fp8_shards, "backend": cfg.extract.backend,
+        "hidden_states": cfg.train.hidden_states,
         "tokens_per_s": ext["tokens_per_s"], "extract": ext, "extract_seconds": round(time.time() - t0, 2),
         "eval_prompts": len(prepared.eval_prompts), "distinct_loss_tokens": len(freq),
         "split": {"eval": len(prepared.eval_prompts), "train": prepared.n_train, "val": prepared.n_val,
                   "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction},
         "data": prepared.stats,
     }
+    if rows is not None:  # online: the only rows with a shard (shards.shard_rows reads this)
+        metrics["shard_rows"] = rows
     outputs = {"dataset": dataset_dir, "token_freq": rd.path("token_freq.pt"),
                "train_conversations": rd.path("data", "train.jsonl"), "eval_prompts": rd.path("data", "eval.jsonl"),
                "model_dir": str(model_dir)}

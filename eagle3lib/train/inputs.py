@@ -2,12 +2,14 @@
 
 Stage 02's dataset + hidden-state shards (train rows first, then validation rows: the train ratio is derived so
 speculators' `int(n * ratio)` split lands exactly on stage 02's boundary), layer ids and target folder; stage 04's
-verifier folder (embed/lm_head/norm + config.json) and t2d/d2t maps.
+verifier folder (embed/lm_head/norm + config.json) and t2d/d2t maps. In online mode (`train.hidden_states: online`)
+stage 02 wrote shards for its sample rows only (`shards.shard_rows`) and stage 05 computes every batch's states
+itself (eagle3lib.train.online).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +31,9 @@ class TrainInputs:
     t2d: torch.Tensor | None
     d2t: torch.Tensor | None
     draft_vocab_size: int
+    hidden_states: str = "offline"  # train.hidden_states as stage 02 ran it: offline | online
+    shard_rows: list[int] | None = None  # rows with a shard (None = every row)
+    layer_ids: list[int] = field(default_factory=list)  # every captured id: the aux ids, then the final id N
 
     @property
     def train_ratio(self) -> float:
@@ -68,6 +73,7 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
         t2d = load_vocab_map(rd.output("04", "t2d"), "t2d").to(torch.bool)
         d2t = load_vocab_map(rd.output("04", "d2t"), "d2t").to(torch.long)
     draft_vocab = int(m04["metrics"].get("draft_vocab_size") or (d2t.shape[0] if d2t is not None else 0))
+    online = shards.online(metrics)  # (an offline stage 05 on an online stage 02: its manifest's hash refuses it)
     model_dir = Path(m02["outputs"]["model_dir"])
     verifier_dir = rd.output("04", "verifier_dir")
     if not (verifier_dir / "config.json").is_file():
@@ -75,7 +81,10 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
     return TrainInputs(
         dataset_dir=rd.output("02", "dataset"), train_rows=train_rows, val_rows=val_rows,
         aux_layer_ids=list(metrics["layer_ids"][:-1]), hidden_size=int(metrics["hidden_size"]),
-        model_dir=model_dir, verifier_dir=verifier_dir, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab)
+        model_dir=model_dir, verifier_dir=verifier_dir, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
+        hidden_states=rd.cfg.train.hidden_states,
+        shard_rows=shards.shard_rows(metrics, train_rows + val_rows) if online else None,
+        layer_ids=[int(i) for i in metrics["layer_ids"]])
 
 
 def check_shards(inp: TrainInputs, spec: shards.ShardSpec, threads: int = 8) -> None:
@@ -83,19 +92,21 @@ def check_shards(inp: TrainInputs, spec: shards.ShardSpec, threads: int = 8) -> 
 
     Why: speculators meets a bad shard mid-epoch with a raw error (truncated or empty file: a SafetensorError from its
     loader thread; missing: "Failed to load hidden states for sample i" with a split-relative i), or silently drops the
-    row (token ids that differ: only a warning). Here it is one line naming the shards and the fix."""
+    row (token ids that differ: only a warning). Here it is one line naming the shards and the fix. In online mode
+    only the sample rows stage 02 wrote are checked (the rest have no shard: the target computes them)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from datasets import load_from_disk
 
     rows = load_from_disk(str(inp.dataset_dir)).with_format(None)["input_ids"]
+    todo = list(range(len(rows))) if inp.shard_rows is None else inp.shard_rows
     with ThreadPoolExecutor(threads) as pool:
         found = list(pool.map(lambda i: shards.check_shard_header(shards.shard_path(inp.dataset_dir, i), rows[i], spec),
-                              range(len(rows))))
-    bad = {i: p for i, p in enumerate(found) if p}
+                              todo))
+    bad = {i: p for i, p in zip(todo, found, strict=True) if p}
     if bad:
         first = "; ".join(f"hs_{i}: {', '.join(p)}" for i, p in list(bad.items())[:3])
         raise WorkbookError(
-            f"{len(bad)} of {len(rows)} hidden-state shards in {shards.shard_dir(inp.dataset_dir)} are invalid "
+            f"{len(bad)} of {len(todo)} hidden-state shards in {shards.shard_dir(inp.dataset_dir)} are invalid "
             f"(rows {sorted(bad)[:20]}{' ...' if len(bad) > 20 else ''}): {first}",
             "rerun stage 02 (it keeps the valid shards and regenerates these), then stage 03 and 05")

@@ -3,6 +3,8 @@
 speculators' ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn(shift_batch) are its own data pipeline;
 the DataLoader around them (`_counting_loader_class`) adds two things the stage needs: the real tokens of each batch
 (tokens/s on the bar and in the curves) and, on a GPU, the copy of the next batch to the device on a side stream.
+In online mode (`train.hidden_states: online`) the dataset is eagle3lib.train.online's, which gets each batch's
+states from the target instead of from shards; the rest of the path is the same.
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ def fp8_aware_transfer(hidden_states_dir, dtype: torch.dtype):
     return FP8Transfer(Path(hidden_states_dir), dequantize_dtype=dtype)
 
 
-def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0):
+def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0, transfer: Any = None):
     """speculators' ArrowDataset + packing sampler + collate (its data path), in our DataLoader (token counting;
-    pinned memory only where there is a GPU to copy to)."""
+    pinned memory only where there is a GPU to copy to). `transfer`: an `online.OnlineTransfer` (online mode: the
+    batches' states come from the target, already on the device, so nothing is pinned), None = shards."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.dataloader import _worker_init_fn
@@ -98,11 +101,18 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
     from eagle3lib.shards import shard_dir
 
     dtype = getattr(torch, res.hidden_states_dtype)
-    transfer = fp8_aware_transfer(shard_dir(inp.dataset_dir), dtype)
+    online = transfer is not None
+    dataset_cls: Any = ArrowDataset
+    if online:
+        from eagle3lib.train.online import OnlineArrowDataset
+
+        dataset_cls = OnlineArrowDataset
+    else:
+        transfer = fp8_aware_transfer(shard_dir(inp.dataset_dir), dtype)
     loader_cls = _counting_loader_class()
     loaders = []
     for split in ("train", "val"):
-        ds = ArrowDataset(max_len=tcfg.packing_length, datapath=str(inp.dataset_dir), on_missing="raise",
+        ds = dataset_cls(max_len=tcfg.packing_length, datapath=str(inp.dataset_dir), on_missing="raise",
                           train_ratio=inp.train_ratio, split=split, hidden_states_dtype=dtype,
                           model=str(inp.verifier_dir), transfer=transfer)
         if ds.data.format.get("type") != "torch":  # speculators compares rows with torch.equal: needs tensors
@@ -118,7 +128,7 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
         loaders.append(loader_cls(
             ds, batch_sampler=sampler, num_workers=workers,
             prefetch_factor=tcfg.prefetch_factor if workers > 0 else None,
-            pin_memory=res.device == "cuda",
+            pin_memory=res.device == "cuda" and not online,  # torch's pin thread refuses CUDA tensors
             collate_fn=CollateFn(tcfg.packing_length, inp.hidden_size, num_target_layers=len(inp.aux_layer_ids),
                                  dtype=dtype, preprocess=shift_batch),
             persistent_workers=workers > 0, multiprocessing_context="spawn" if workers > 0 else None,

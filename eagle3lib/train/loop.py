@@ -43,22 +43,37 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
     """Train (or resume training) the draft for this run; returns the result dict (also written to draft/result.json).
 
     Works in one process and under `torchrun` (speculators' DDP: `maybe_setup_distributed` reads LOCAL_RANK);
-    only rank 0 writes the curves and the result (the figure: eagle3lib.train.result.summarize).
+    only rank 0 writes the curves and the result (the figure: eagle3lib.train.result.summarize). With
+    `train.hidden_states: online` the target computes each batch's states (eagle3lib.train.online).
     """
-    from speculators.train.trainer import Trainer
-
     cfg: WorkbookConfig = rd.cfg
     tcfg = cfg.train
     res = resolved or resolve_settings(tcfg, device)
     patched = _setup_process(res, cfg.run.seed)
     inp = inputs_from_run(rd)
     check_shards(inp, shards.spec_from_metrics(rd.read_manifest("02")["metrics"]))
+    transfer = None
+    if tcfg.hidden_states == "online":  # the target must fit before anything is written (eagle3lib.train.online)
+        from eagle3lib.train.online import make_transfer
+
+        transfer = make_transfer(cfg, inp, res)
+    try:
+        return _train(rd, cfg, tcfg, res, patched, inp, transfer, progress)
+    finally:
+        if transfer is not None:
+            transfer.close()
+
+
+def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, patched: bool, inp: Any,
+           transfer: Any, progress: bool) -> dict[str, Any]:
+    from speculators.train.trainer import Trainer
+
     save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
 
     model, train_kwargs, val_kwargs, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)
     if is_rank0():
         spec_cfg.save(str(save_path))  # speculators' run.yaml + train_command.txt beside the checkpoints
-    train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed)
+    train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed, transfer)
     tconf = _trainer_config(tcfg, res, save_path, train_kwargs, val_kwargs)
 
     curves_path = draft_dir(rd) / "curves.json"
@@ -86,6 +101,11 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
         atomic.write_json(curves_path, curves)
         result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, recorder.tokens,
                          elapsed, tcfg.ttt_steps)
+        result["hidden_states"] = tcfg.hidden_states
+        if transfer is not None:  # the target's share of the time (train and validation batches, this process)
+            result["online_target"] = {"seconds": round(transfer.seconds, 2), "tokens": transfer.tokens,
+                                       "tokens_per_s": round(transfer.tokens / transfer.seconds, 1)
+                                       if transfer.seconds > 0 else None}
         atomic.write_json(draft_dir(rd) / "result.json", result)
     return result
 

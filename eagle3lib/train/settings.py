@@ -110,12 +110,19 @@ def resolve_settings(tcfg: TrainSection, device: str | None = None) -> Resolved:
     if tcfg.dtype == "auto":
         reasons.append(f"dtype {dtype}: " + ("bf16 autocast on GPU" if device == "cuda"
                                              else "bf16 is slower than fp32 on CPUs without AMX"))
+    online = tcfg.hidden_states == "online"
     if tcfg.num_workers == "auto":
-        workers = 0 if device == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
-        reasons.append(f"{workers} data loader workers: " + ("the CPU trains, no spare cores" if device == "cpu"
-                                                              else "shards are read and packed in parallel"))
+        workers = 0 if device == "cpu" or online else min(8, max(1, (os.cpu_count() or 2) // 2))
+        reasons.append(f"{workers} data loader workers: " + (
+            "online hidden states: the target runs in the training process, on its device" if online
+            else "the CPU trains, no spare cores" if device == "cpu" else "shards are read and packed in parallel"))
     else:
         workers = int(tcfg.num_workers)
+        if online and workers > 0:
+            raise WorkbookError(
+                f"train.hidden_states: online needs train.num_workers 0, got {workers}: the target computes each "
+                "batch's states in the training process, on the training device, and a worker process would need a "
+                "copy of the target of its own", "set train.num_workers: auto (or 0), or train.hidden_states: offline")
     for r in reasons:
         log.info("auto: %s", r)
     return Resolved(device, attn, loss_impl, dtype, num_workers=workers, reasons=reasons)

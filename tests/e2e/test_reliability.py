@@ -80,14 +80,17 @@ def _with_train(cfg, **updates):
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=updates)})
 
 
-@pytest.fixture
-def two_identical_runs(tmp_path, tiny_llama_dir):
-    """Two run directories with identical stage 02 + 04 outputs (one built, then copied)."""
+@pytest.fixture(params=["offline", "online"])
+def two_identical_runs(request, tmp_path, tiny_llama_dir):
+    """Two run directories with identical stage 02 + 04 outputs (one built, then copied); offline (shards) and
+    online (train.hidden_states: online, eagle3lib.train.online: the target runs in the training process, so the
+    killed process takes its target with it and the resumed one loads its own)."""
     import shutil
 
     root = tmp_path / "whole"
     root.mkdir()
-    cfg, rd = make_tiny_run(root, tiny_llama_dir, run="tiny", n_train=12, n_val=4)
+    cfg, rd = make_tiny_run(root, tiny_llama_dir, run="tiny", n_train=12, n_val=4,
+                            online=request.param == "online", overrides=("extract.online_sample_rows=4",))
     _stage04(cfg, rd)
     cfg = _with_train(cfg, **TRAIN)
     copy = tmp_path / "killed" / "tiny"

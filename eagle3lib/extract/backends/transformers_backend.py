@@ -60,16 +60,23 @@ def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
                         "use a decoder-only causal LM (Llama, Qwen, Mistral, DeepSeek ...) or the vllm backend")
 
 
+FIT_SHARE = 0.8  # a target fits a device when its weights take at most this share of it (the rest: activations)
+
+
+def target_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """The target's weights in memory at the compute dtype: the checkpoint's bytes scaled from its stored dtype."""
+    on_disk = checkpoint_bytes(model_dir)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    stored = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
+    return int(on_disk * torch.tensor([], dtype=dtype).element_size() / stored)
+
+
 def needs_device_map(model_dir: Path, devices: list[str], dtype: torch.dtype) -> bool:
     """True when the target (at the compute dtype) does not fit one GPU with room for activations."""
     if not devices[0].startswith("cuda"):
         return False
-    on_disk = checkpoint_bytes(model_dir)
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    stored = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
-    need = on_disk * torch.tensor([], dtype=dtype).element_size() / stored
     free = min(torch.cuda.get_device_properties(torch.device(d)).total_memory for d in devices)
-    return need > 0.8 * free
+    return target_bytes(model_dir, dtype) > FIT_SHARE * free
 
 
 class TransformersBackend:
@@ -176,6 +183,21 @@ class TransformersBackend:
                     yield from self._hand_out(None, buf, batch)
             while pending:
                 yield from self._hand_out(*pending.popleft())
+
+    def capture_on_device(self, rows: list[tuple[int, list[int]]]) -> dict[int, torch.Tensor]:
+        """{row: hidden_states [T, n_slots, H]} left where the forward wrote them (the output device, storage dtype):
+        stage 05's online mode (eagle3lib.train.online, docs/engines.md#online-hidden-states). The same batches
+        (`plan_batches` under extract.batch_tokens), hooks and buffer as `capture`, without the copy to the host.
+
+        Under `torch.no_grad`, not `inference_mode` as `capture`: the same numbers, but the rows are ordinary tensors,
+        which the training step may use next to tensors that autograd records (inference tensors may not be)."""
+        out: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for batch in plan_batches(rows, self.batch_tokens):
+                buf = self._forward(batch)
+                for i, (row, toks) in enumerate(batch):
+                    out[row] = buf[i, : len(toks)]
+        return out
 
     def reference_forward(self, token_ids: list[int], positions: list[int], hidden_ids: list[int]
                           ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
