@@ -398,9 +398,17 @@ def test_adopting_a_shard_file_checks_what_its_writer_did_not(tmp_path):
         with pytest.raises(WorkbookError, match="token_ids differ"):
             shards.adopt_shard(tmp_path / "ds", 1, spool("b", torch.ones(3, 2, 4, dtype=torch.bfloat16), [3, 1, 5]),
                                ids, spec, values_checked)
-        with pytest.raises(WorkbookError, match=r"hidden_states (shape|dtype)"):
+        with pytest.raises(WorkbookError, match=r"hidden_states (shape|stored as torch.float32)"):
             shards.adopt_shard(tmp_path / "ds", 1, spool("c", torch.ones(3, 2, 4)), ids, spec, values_checked)
         assert not shards.shard_path(tmp_path / "ds", 1).exists()
         good = shards.adopt_shard(tmp_path / "ds", 2, spool("d", torch.ones(3, 2, 4, dtype=torch.bfloat16)), ids,
                                   spec, values_checked)
         assert shards.check_shard_file(good, ids, spec) == [] and not (tmp_path / "d").exists()
+    # an FP8 run (extract.fp8_shards) adopts a backend's bf16 file by reading, checking and writing it quantized
+    fp8 = shards.ShardSpec(2, 4, torch.bfloat16, fp8=True)
+    with pytest.raises(WorkbookError, match="sample 3: refusing to write.*NaN or inf"):
+        shards.adopt_shard(tmp_path / "ds", 3, spool("e", nan), ids, fp8)
+    assert not (tmp_path / "e").exists() and not shards.shard_path(tmp_path / "ds", 3).exists()
+    good = shards.adopt_shard(tmp_path / "ds", 4, spool("f", torch.ones(3, 2, 4, dtype=torch.bfloat16)), ids, fp8)
+    assert not (tmp_path / "f").exists() and shards.check_shard_file(good, ids, fp8) == []
+    assert "fp8_shards: true" in shards.check_shard_file(shards.shard_path(tmp_path / "ds", 2), ids, fp8)[0]

@@ -90,7 +90,7 @@ def test_planted_faults_are_caught_and_named_by_index(tiny_run):
     bad = result.validation.invalid
     assert sorted(bad) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     expect = {1: "slot 1 (layer 2) and slot 2 (layer 3) are identical", 2: "NaN", 3: "unreadable", 4: "unreadable",
-              5: "token_ids differ", 6: "dtype torch.float32, expected torch.bfloat16",
+              5: "token_ids differ", 6: "stored as torch.float32, this run stores torch.bfloat16",
               7: "slot 3 (layer 6) is all zeros", 8: "47 tokens but the row's seq_len is 48", 9: "missing"}
     for i, needle in expect.items():
         assert any(needle in p for p in bad[i]), (i, bad[i])
