@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -186,14 +186,14 @@ def adopt_shard(dataset_dir: Path, index: int, src: Path, expected_ids: torch.Te
     `src` must be on the dataset's filesystem (a rename); an invalid file is deleted and stops the run like
     `write_shard` does, so nothing invalid ever carries a shard's name. For FP8 shards the file (in the capture
     dtype) is read, validated and written quantized by `write_shard`, and `src` is deleted."""
-    if spec.fp8:
-        data = read_shard(Path(src))
+    as_written = replace(spec, fp8=False)  # what a backend writes: the capture dtype
+    found = (check_shard_header if values_checked else check_shard_file)(Path(src), expected_ids, as_written)
+    if not found and spec.fp8:
+        data = load_file(str(src))
         try:
-            return write_shard(dataset_dir, index, data["token_ids"], data["hidden_states"], expected_ids,
-                               ShardSpec(spec.n_slots, spec.hidden_size, spec.dtype, fp8=True))
+            return write_shard(dataset_dir, index, data["token_ids"], data["hidden_states"], expected_ids, spec)
         finally:
             Path(src).unlink(missing_ok=True)
-    found = (check_shard_header if values_checked else check_shard_file)(Path(src), expected_ids, spec)
     if found:
         Path(src).unlink(missing_ok=True)
         raise WorkbookError(f"sample {index}: refusing to adopt an invalid shard from {src}: " + "; ".join(found),

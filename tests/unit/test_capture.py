@@ -406,7 +406,7 @@ def test_adopting_a_shard_file_checks_what_its_writer_did_not(tmp_path):
         assert shards.check_shard_file(good, ids, spec) == [] and not (tmp_path / "d").exists()
     # an FP8 run (extract.fp8_shards) adopts a backend's bf16 file by reading, checking and writing it quantized
     fp8 = shards.ShardSpec(2, 4, torch.bfloat16, fp8=True)
-    with pytest.raises(WorkbookError, match="sample 3: refusing to write.*NaN or inf"):
+    with pytest.raises(WorkbookError, match="sample 3: refusing to adopt.*NaN or inf"):
         shards.adopt_shard(tmp_path / "ds", 3, spool("e", nan), ids, fp8)
     assert not (tmp_path / "e").exists() and not shards.shard_path(tmp_path / "ds", 3).exists()
     good = shards.adopt_shard(tmp_path / "ds", 4, spool("f", torch.ones(3, 2, 4, dtype=torch.bfloat16)), ids, fp8)
