@@ -719,16 +719,16 @@ def test_worker_captures_a_tiny_llava_text_only(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.parametrize("strategy", ["native", "worker"])
-def test_extract_renames_vllm_files_into_valid_shards(smollm2_dir, tmp_path, strategy):
+@pytest.mark.parametrize("strategy,fp8", [("native", False), ("worker", False), ("native", True)])
+def test_extract_renames_vllm_files_into_valid_shards(smollm2_dir, tmp_path, strategy, fp8):
     """Stage 02's capture loop on vLLM: the connector's (native) or the capture worker's (worker) per-request files
-    become the dataset's shards (checked by the shared validator, renamed), and neither a data file nor a lock is
-    left in the spool folder."""
+    become the dataset's shards (checked by the shared validator, renamed; with extract.fp8_shards rewritten in
+    speculators' FP8 format), and neither a data file nor a lock is left in the spool folder."""
     from eagle3lib import shards
     from eagle3lib.extract import capture
     from eagle3lib.extract.backends import make_backend
 
-    cfg = make_cfg(tmp_path, smollm2_dir, strategy, SMOL_IDS)
+    cfg = make_cfg(tmp_path, smollm2_dir, strategy, SMOL_IDS, f"extract.fp8_shards={str(fp8).lower()}")
     rows = random_rows(49152, [9, 30, 17, 120], seed=3)  # 176 tokens > one step's 128: a prompt split over steps
     ids = [t for _, t in rows]
     backend = make_backend(cfg, smollm2_dir, SMOL_IDS)
@@ -742,5 +742,6 @@ def test_extract_renames_vllm_files_into_valid_shards(smollm2_dir, tmp_path, str
     finally:
         backend.close()
     spec = capture.shard_spec(cfg, SMOL_IDS, 576)
+    assert spec.fp8 == fp8
     for i, toks in enumerate(ids):
         assert shards.check_shard_file(shards.shard_path(ddir, i), toks, spec) == []
