@@ -186,7 +186,7 @@ def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: P
 
 
 def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir: str,
-               rows: list[tuple[int, list[int]]], device: str, spec_args: tuple[int, int, str, bool], queue: Any) -> None:
+               rows: list[tuple[int, list[int]]], device: str, spec: shards.ShardSpec, queue: Any) -> None:
     """One data-parallel process: its own GPU, its own backend and writer threads, progress to the parent."""
     from eagle3lib.config import WorkbookConfig
     from eagle3lib.extract.backends.transformers_backend import TransformersBackend
@@ -195,7 +195,6 @@ def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         cfg = WorkbookConfig.model_validate_json(cfg_json)
-        spec = shards.ShardSpec(spec_args[0], spec_args[1], shards.DTYPES[spec_args[2]], spec_args[3])
         backend = TransformersBackend(cfg, Path(model_dir), layer_ids, device=device)
         queue.put(("ready", device, None))
         try:
@@ -234,7 +233,7 @@ def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list
             continue
         p = ctx.Process(target=_dp_worker, args=(cfg.model_dump_json(), str(model_dir), layer_ids, str(dataset_dir),
                                                  [(i, input_ids[i]) for i in share], dev,
-                                                 (spec.n_slots, spec.hidden_size, cfg.extract.dtype, spec.fp8), queue),
+                                                 spec, queue),
                         daemon=True)
         p.start()
         procs.append(p)

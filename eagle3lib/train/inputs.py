@@ -9,7 +9,7 @@ itself (eagle3lib.train.online).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,16 +24,19 @@ class TrainInputs:
     dataset_dir: Path
     train_rows: int
     val_rows: int
-    aux_layer_ids: list[int]  # ids of the aux slots (the final layer's slot is not an aux id)
+    layer_ids: list[int]  # every captured id as stage 02 recorded it: the aux ids, then the final id N
     hidden_size: int
     model_dir: Path  # the target checkpoint (what vLLM and the final config.json call the verifier)
     verifier_dir: Path  # stage 04: the tensors speculators loads while training (embed, lm_head, norm + config.json)
     t2d: torch.Tensor | None
     d2t: torch.Tensor | None
     draft_vocab_size: int
-    hidden_states: str = "offline"  # train.hidden_states as stage 02 ran it: offline | online
     shard_rows: list[int] | None = None  # rows with a shard (None = every row)
-    layer_ids: list[int] = field(default_factory=list)  # every captured id: the aux ids, then the final id N
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """The aux slots' ids (the final layer's slot is not an aux id)."""
+        return self.layer_ids[:-1]
 
     @property
     def train_ratio(self) -> float:
@@ -80,11 +83,9 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
         raise WorkbookError(f"stage 04's verifier folder {verifier_dir} has no config.json", "rerun stage 04")
     return TrainInputs(
         dataset_dir=rd.output("02", "dataset"), train_rows=train_rows, val_rows=val_rows,
-        aux_layer_ids=list(metrics["layer_ids"][:-1]), hidden_size=int(metrics["hidden_size"]),
+        layer_ids=[int(i) for i in metrics["layer_ids"]], hidden_size=int(metrics["hidden_size"]),
         model_dir=model_dir, verifier_dir=verifier_dir, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
-        hidden_states=rd.cfg.train.hidden_states,
-        shard_rows=shards.shard_rows(metrics, train_rows + val_rows) if online else None,
-        layer_ids=[int(i) for i in metrics["layer_ids"]])
+        shard_rows=shards.shard_rows(metrics, train_rows + val_rows) if online else None)
 
 
 def check_shards(inp: TrainInputs, spec: shards.ShardSpec, threads: int = 8) -> None:

@@ -35,9 +35,8 @@ def _inputs(rd) -> train.TrainInputs:
     """TrainInputs straight from stage 02's manifest (the loader does not need stage 04's outputs)."""
     m = rd.read_manifest("02")["metrics"]
     ids = list(m["layer_ids"])
-    return train.TrainInputs(rd.output("02", "dataset"), m["train_rows"], m["val_rows"], ids[:-1], m["hidden_size"],
+    return train.TrainInputs(rd.output("02", "dataset"), m["train_rows"], m["val_rows"], ids, m["hidden_size"],
                              rd.output("02", "model_dir"), rd.output("02", "model_dir"), None, None, 0,
-                             hidden_states=m.get("hidden_states", "offline"), layer_ids=ids,
                              shard_rows=shards.shard_rows(m, m["samples"]) if shards.online(m) else None)
 
 
