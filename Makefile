@@ -13,8 +13,8 @@ demo: install   ## the whole pipeline, headless, on the embedded default (SmolLM
 browser:        ## Debian's chromium for the JupyterLab browser test (root installs it; anyone else is told how)
 	bash scripts/install-browser.sh
 
-test: install browser   ## the whole test suite, the browser test included (what CI runs)
-	$(VENV)/bin/python -m pytest -q --durations=15
+test: install browser   ## the whole test suite, the browser test included (what CI runs), two files at a time
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 lab: install    ## the workbook in JupyterLab (127.0.0.1, with a token)
 	$(VENV)/bin/eagle3 lab

@@ -7,6 +7,7 @@ every file it finds. We write to a temp name in the same folder and `os.replace`
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -92,3 +93,19 @@ def remove_stale_temps(folder: str | Path) -> int:
                 p.unlink(missing_ok=True)
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: str | Path) -> Iterator[None]:
+    """One process at a time past this point, across processes on this machine (an advisory `flock` on
+    `lock_file`, released when the block ends or the process dies). Why: two processes that build the same cached
+    output (two test workers converting the same embedded target) must not both write it; the second waits, then
+    finds it built."""
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

