@@ -14,7 +14,7 @@ browser:        ## Debian's chromium for the JupyterLab browser test (root insta
 	bash scripts/install-browser.sh
 
 test: install browser   ## the whole test suite, the browser test included (what CI runs), two files at a time
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 lab: install    ## the workbook in JupyterLab (127.0.0.1, with a token)
 	$(VENV)/bin/eagle3 lab
