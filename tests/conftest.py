@@ -10,6 +10,13 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Two processes that each run OpenMP threads on the same 2 cores spin against each other: measured on a 2-core box,
+# two SmolLM2 decode loops at once took 50 s each against 9.7 s alone; with idle threads that sleep (PASSIVE) 11 s,
+# with one thread each 9.7-10 s. `make test` runs two workers (pytest-xdist) and tests start engines and kernels
+# beside themselves, so: one thread per worker (and its children, which inherit it), idle threads asleep.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The longest files, longest first (seconds in `make test` on a 2-core box, two workers, 2026-12-01): pipeline 620,

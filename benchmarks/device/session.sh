@@ -22,6 +22,10 @@
 # Measured 2026-11-29 on x2: copy + install ~3 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0);
 # `benchmarks` 15 min; `scaling` on the small run: training 5 min, extraction in /dev/shm 2.5 min, the disk run
 # after them was cut off by the budget. A 30-minute budget fits `recipe_ab` OR `benchmarks scaling`, not both.
+# Measured 2026-12-01 on one H200, the 1.5B recipe (CONFIG=configs/qwen-coder-1.5b-h200.yaml, RUN=its run name):
+# a warm call carrying a 60 MB chunk costs ~7 s of device time (the first ~35 s, the machine's start), so its 21
+# chunks took 4.5 min with the install (73 s); the target's conversion 56 s; stages 00-05 then 15.6 min, and the
+# budget ended inside stage 06. Plan a 1.5B session as: ~6 min to get ready, <= 22 min of recipe.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
