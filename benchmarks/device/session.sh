@@ -9,7 +9,8 @@
 #            what it had: the results' JSON, the runs' small files (runs.tgz) and the logs (logs.tgz)
 # STEPS (for launch; default "recipe_ab"), in order:
 #   recipe      GPU 0: $CONFIG (default configs/smollm2-h200.yaml; RUN = its run name), stages 00-06 | GPU 1: the same data with the draft on
-#               the final layer only (EAGLE-1 style: target.layer_ids=[29], the comparison row of issue 12); on one
+#               one near-final layer only (EAGLE-1 style: target.layer_ids=[$EAGLE1_LAYER], default 29 = SmolLM2's, 25 for
+#               the 1.5B Qwen; the comparison row of issues 12 and 26); on one
 #               GPU the recipe alone
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
 #               stages 02-04 (forked once they exist) trained with AB_PARAMS and evaluated offline + embedded (A/B)
@@ -115,7 +116,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       else
         step "recipe (GPU 0) | EAGLE-1 style (GPU $g1)"
         run_on 0 recipe --run "$RUN" &
-        run_on "$g1" eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[29]" -p "evaluate.methods=[offline, embedded, vllm]" &
+        run_on "$g1" eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[${EAGLE1_LAYER:-29}]" -p "evaluate.methods=[offline, embedded, vllm]" &
         wait
       fi
       ;;
