@@ -9,7 +9,7 @@
 #            what it had: the results' JSON, the runs' small files (runs.tgz) and the logs (logs.tgz)
 # STEPS (for launch; default "recipe_ab"), in order:
 #   recipe      GPU 0: $CONFIG (default configs/smollm2-h200.yaml; RUN = its run name), stages 00-06 | GPU 1: the same data with the draft on
-#               one near-final layer only (EAGLE-1 style: target.layer_ids=[$EAGLE1_LAYER], default 29 = SmolLM2's, 25 for
+#               one near-final layer only (EAGLE-1 style: target.layer_ids=[$EAGLE1_LAYER], default 29 = SmolLM2's N-1, 27 for
 #               the 1.5B Qwen; the comparison row of issues 12 and 26); on one
 #               GPU the recipe alone
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
@@ -82,7 +82,7 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q\n' "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" > "$RES/plan.env"
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q\n' "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" > "$RES/plan.env"
   setsid nohup bash benchmarks/device/session.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
   sleep 20; cat "$RES/plan.log"
   ;;
