@@ -187,9 +187,12 @@ def adopt_shard(dataset_dir: Path, index: int, src: Path, expected_ids: torch.Te
     `write_shard` does, so nothing invalid ever carries a shard's name. For FP8 shards the file (in the capture
     dtype) is read, validated and written quantized by `write_shard`, and `src` is deleted."""
     as_written = replace(spec, fp8=False)  # what a backend writes: the capture dtype
-    found = (check_shard_header if values_checked else check_shard_file)(Path(src), expected_ids, as_written)
+    if values_checked:
+        data, found = None, check_shard_header(Path(src), expected_ids, as_written)
+    else:
+        data, found = read_checked(Path(src), expected_ids, as_written)  # the FP8 rewrite below reuses `data`
     if not found and spec.fp8:
-        data = load_file(str(src))
+        data = data if data is not None else load_file(str(src))
         try:
             return write_shard(dataset_dir, index, data["token_ids"], data["hidden_states"], expected_ids, spec)
         finally:
@@ -242,17 +245,24 @@ def _storage_problems(dtype: torch.dtype | str, shape: list[int], scales: tuple[
 
 def check_shard_file(path: Path, expected_ids: torch.Tensor | list[int] | None, spec: ShardSpec) -> list[str]:
     """The problems of a shard on disk (unreadable, missing keys, or any of `problems`). Used to resume and by 03."""
+    return read_checked(path, expected_ids, spec)[1]
+
+
+def read_checked(path: Path, expected_ids: torch.Tensor | list[int] | None, spec: ShardSpec
+                 ) -> tuple[dict[str, torch.Tensor] | None, list[str]]:
+    """(the shard's tensors, FP8 dequantized, or None when it could not be read; its problems): `check_shard_file`
+    for a caller that uses the tensors next, so the file is read once."""
     if not path.is_file():
-        return ["missing"]
+        return None, ["missing"]
     try:
         data = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        return [f"unreadable ({e.__class__.__name__}: {str(e)[:80]})"]
+        return None, [f"unreadable ({e.__class__.__name__}: {str(e)[:80]})"]
     found = format_problems(data, spec)
     if found:
-        return found
+        return None, found
     data = dequantize(data, spec.dtype)
-    return problems(data["token_ids"], data["hidden_states"], expected_ids, spec)
+    return data, problems(data["token_ids"], data["hidden_states"], expected_ids, spec)
 
 
 def check_shard_header(path: Path, expected_ids: torch.Tensor | list[int] | None, spec: ShardSpec) -> list[str]:

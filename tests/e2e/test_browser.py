@@ -342,7 +342,6 @@ def _screenshot(page, path: Path) -> None:
     page.screenshot(path=str(path))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("key", list(BROWSER_NOTEBOOKS))
 def test_run_all_cells_in_jupyterlab(key, lab, browser, request):
     """Open the copy, Run -> Run All Cells, wait for idle; no error output, every cell ran, the manifest is written."""
