@@ -306,7 +306,8 @@ class EvaluateSection(Section):
         f"{' | '.join(BENCHMARK_KINDS)} (from their PyPI packages) or the path of your own JSONL (OpenAI messages; "
         "each user turn is asked after the target's own answer to the one before, like MT-Bench's second turns). "
         "Stage 02 writes their prompts and drops every training conversation that overlaps one, so changing this "
-        "list reruns stage 02. Measured by the embedded and offline methods.")
+        "list reruns stage 02. Measured by the embedded, offline and serve methods (serve: by the draft's server's "
+        "counters per category and turn).")
     benchmark_prompts: int | None = Field(None, ge=1, description="Questions per benchmark (None = all), taken in "
                                           "turn over its categories (MT-Bench: 2 prompts per question).")
 
@@ -345,9 +346,9 @@ class WorkbookConfig(Section):
             self.extract.tensor_parallel_size > 1 or self.extract.pipeline_parallel_size > 1
         ):
             raise ValueError("tensor/pipeline parallel sizes > 1 need extract.backend: vllm")
-        if self.evaluate.benchmarks and not {"embedded", "offline"} & set(self.evaluate.methods):
-            raise ValueError("evaluate.benchmarks are measured by the embedded and offline methods: add one of them "
-                             "to evaluate.methods")
+        if self.evaluate.benchmarks and not {"embedded", "offline", "serve"} & set(self.evaluate.methods):
+            raise ValueError("evaluate.benchmarks are measured by the embedded, offline and serve methods: add one of "
+                             "them to evaluate.methods")
         if any(src.replies > 1 for src in self.data.sources) and not (
                 self.data.self_distill and max(self.data.gen_temperatures or [self.data.gen_temperature]) > 0):
             raise ValueError("data.sources[].replies > 1 samples more replies: it needs data.self_distill: true and a "

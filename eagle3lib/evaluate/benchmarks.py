@@ -91,12 +91,24 @@ def greedy_answers(target: Any, tok: Any, prompts: list[list[int]], max_new_toke
         gen = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1,
                               max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
                               temperature=None, top_p=None, top_k=None, repetition_penalty=None)
-        for row in gen[:, width:].tolist():
-            n = len(row)
-            while n and row[n - 1] in {pad, *eos}:
-                n -= 1
-            out.append(tok.decode(row[:n], skip_special_tokens=True).strip())
+        out += [answer_text(tok, row, {pad, *eos}) for row in gen[:, width:].tolist()]
     return out
+
+
+def answer_text(tok: Any, ids: list[int], stop: set[int]) -> str:
+    """A generated answer as the next turn's assistant message: trailing stop/pad ids cut, special tokens skipped."""
+    n = len(ids)
+    while n and ids[n - 1] in stop:
+        n -= 1
+    return tok.decode(ids[:n], skip_special_tokens=True).strip()
+
+
+def next_turn(open_convs: list[tuple[dict[str, Any], list[dict[str, str]]]], answers: list[str], turn: int
+              ) -> list[tuple[dict[str, Any], list[dict[str, str]]]]:
+    """The conversations that go on after turn `turn`: each one's answer to it, then its next user turn (`answers`
+    holds one answer per conversation in `open_convs`)."""
+    return [(it, [*msgs, {"role": "assistant", "content": a}, {"role": "user", "content": it["followups"][turn - 1]}])
+            for (it, msgs), a in zip(open_convs, answers, strict=True) if len(it.get("followups") or []) >= turn]
 
 
 def ask_in_turn(target: Any, tok: Any, items: list[dict[str, Any]], max_new_tokens: int, eos: list[int],
@@ -111,9 +123,7 @@ def ask_in_turn(target: Any, tok: Any, items: list[dict[str, Any]], max_new_toke
         going_on = [(it, msgs) for it, msgs in open_convs if len(it.get("followups") or []) >= turn]
         answers = greedy_answers(target, tok, [chat_ids(tok, msgs) for _, msgs in going_on], max_new_tokens, eos,
                                  desc=f"the target's answers to turn {turn}", progress=progress) if going_on else []
-        open_convs = [(it, [*msgs, {"role": "assistant", "content": a}, {"role": "user",
-                                                                          "content": it["followups"][turn - 1]}])
-                      for (it, msgs), a in zip(going_on, answers, strict=True)]
+        open_convs = next_turn(going_on, answers, turn)
         turn += 1
     return asked
 

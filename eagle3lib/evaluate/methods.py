@@ -395,7 +395,10 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
                                "max_new_tokens": cfg.max_new_tokens, "device": device, "dtype": str(dtype),
                                "checkpoint": str(inp.checkpoint), "target": str(inp.model_dir), "by_method": {},
                                "sweep": {}, "seconds": {}}
-    bench_files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.benchmarks])
+    # the benchmarks measured here: by the embedded decoder and the offline replay; with only 'serve' (and vLLM's
+    # in-process rows) they are the serve step's (`serve.ask_on_server`): no transformers target loads for them
+    bench_files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.benchmarks]) \
+        if {"embedded", "offline"} & set(cfg.methods) else {}
     if bench_files and tok is None:
         raise WorkbookError("evaluate.benchmarks need the target's tokenizer and chat template (this target has none)",
                             "remove evaluate.benchmarks, or set target.tokenizer")

@@ -104,7 +104,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-BENCH_METHODS = (EMBEDDED, BENCH_PATH, BENCH_ALL)
+BENCH_METHODS = (EMBEDDED, SERVE, BENCH_PATH, BENCH_ALL)  # the rows a benchmark can have; a table shows those it has
 
 
 def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -116,13 +116,23 @@ def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None
     if not benches:
         return []
     by = results.get("by_method", {})
-    held = {EMBEDDED: by.get(EMBEDDED), BENCH_PATH: by.get(HELDOUT_PATH), BENCH_ALL: by.get(HELDOUT_ALL)}
+    held = {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), BENCH_PATH: by.get(HELDOUT_PATH),
+            BENCH_ALL: by.get(HELDOUT_ALL)}
     sets = [(HELD_OUT, results.get("prompts"), results.get("prompts"), (dedup or {}).get("held_out"), held)]
     sets += [(name, b.get("questions"), b.get("prompts"), b.get("dedup_dropped"), b["by_method"])
              for name, b in benches.items()]
+    methods = bench_methods(benches)
+    live = next((m for m in (EMBEDDED, SERVE) if m in methods), None)
     return [{"prompt set": name, "questions": q, "prompts": n, "dropped from training": d,
-             **{f"τ {m}": (accs.get(m) or {}).get("tau") for m in BENCH_METHODS},
-             "per position (embedded)": per_position(accs.get(EMBEDDED) or {})} for name, q, n, d, accs in sets]
+             **{f"τ {m}": (accs.get(m) or {}).get("tau") for m in methods},
+             **({f"per position ({live})": per_position(accs.get(live) or {})} if live else {})}
+            for name, q, n, d, accs in sets]
+
+
+def bench_methods(benches: dict[str, Any]) -> list[str]:
+    """The method rows the benchmarks were measured with, in BENCH_METHODS order."""
+    have = {m for b in benches.values() for m in b.get("by_method", {})}
+    return [m for m in BENCH_METHODS if m in have]
 
 
 def benchmark_lines(results: dict[str, Any], m02: dict[str, Any]) -> list[str]:
@@ -134,16 +144,16 @@ def benchmark_lines(results: dict[str, Any], m02: dict[str, Any]) -> list[str]:
     out = [f"τ by benchmark (k = {results.get('k')}; each benchmark's later turns asked after the target's own "
            "greedy answers; *dropped from training* = training conversations stage 02 removed as overlapping its "
            "prompts):", "", _table(list(rows[0]), [list(r.values()) for r in rows]), ""]
-    methods = BENCH_METHODS[:2]
+    methods = [m for m in bench_methods(benches) if m != BENCH_ALL]
+    taus = [f"τ {m}" for m in methods]
     rows = [[name, cat, g["prompts"]] + [g["by_method"].get(m, {}).get("tau") for m in methods]
             for name, b in benches.items() for cat, g in b.get("by_category", {}).items()]
-    out += ["τ by benchmark category:", "",
-            _table(["benchmark", "category", "prompts", "τ embedded", "τ offline (decoder path)"], rows), ""]
+    out += ["τ by benchmark category:", "", _table(["benchmark", "category", "prompts", *taus], rows), ""]
     rows = [[name, f"turn {t}", g["prompts"]] + [g["by_method"].get(m, {}).get("tau") for m in methods]
             for name, b in benches.items() if len(b.get("by_turn", {})) > 1 for t, g in b["by_turn"].items()]
     if rows:
         out += ["τ by turn (turn 2 follows the target's own answer to turn 1):", "",
-                _table(["benchmark", "turn", "prompts", "τ embedded", "τ offline (decoder path)"], rows), ""]
+                _table(["benchmark", "turn", "prompts", *taus], rows), ""]
     return out
 
 

@@ -8,7 +8,9 @@ end-to-end percentiles and output tokens/s; the server's spec-decode counters ar
 level (acceptance per position, docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's
 default), eager on the CPU. Then each server answers every prompt once more as token ids, and the two outputs are
 compared; an output that differs goes through the rounding-tie check (`decoder.first_divergence`) with the
-transformers target.
+transformers target. Last, the draft's server asks every `evaluate.benchmarks` item turn by turn (`ask_on_server`):
+τ per benchmark, category and turn from its counters, the "vllm serve" rows of results["tau_by_benchmark"] (with
+only 'serve' configured, `methods.measure` leaves the benchmarks to this step and loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
 helps). Each finished level (and each server's outputs) is kept in eval/serve/partial.json, so a rerun after a
@@ -30,6 +32,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from eagle3lib import atomic
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.methods import FinishedMethods, count_identical, vllm_job, with_tokens_per_step
@@ -92,8 +95,6 @@ def write_prompts(tok: Any, prompts: list[list[int]], path: Path) -> int:
     """The held-out prompts as `vllm bench serve`'s custom dataset (one {"prompt": text} per line): each prompt's
     token ids decoded back to the chat-template text. Returns how many re-encode to exactly their ids (all, for a
     byte-level BPE tokenizer; a prompt that does not is still sent, and the report says how many)."""
-    from eagle3lib import atomic
-
     lines, exact = [], 0
     for ids in prompts:
         text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -112,6 +113,21 @@ def command_record(server: Any) -> dict[str, Any]:
             "start_s": server.start_s, "log": str(server.log_path)}
 
 
+def longest_conversation(tok: Any, items: list[dict[str, Any]], max_tokens: int) -> int:
+    """A bound on the model length a benchmark's last turn needs: its user turns rendered with empty answers, plus
+    max_tokens per answer before it and for its own (the server refuses a longer prompt)."""
+    from eagle3lib.evaluate import benchmarks
+
+    longest = 0
+    for it in items:
+        msgs = [dict(m) for m in it["messages"]]
+        for f in it.get("followups") or []:
+            msgs += [{"role": "assistant", "content": ""}, {"role": "user", "content": f}]
+        turns = 1 + len(it.get("followups") or [])
+        longest = max(longest, len(benchmarks.chat_ids(tok, msgs)) + turns * max_tokens + 8)
+    return longest
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
 
@@ -120,8 +136,9 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     """Stage 06's serve step, after `methods.measure` (when 'serve' is in evaluate.methods): the same held-out
     prompts, target, draft and dtype; adds results["serve"] and the server's acceptance row, rewrites
     eval/results.json. Returns the results."""
-    from eagle3lib import atomic
+    from eagle3lib.config import benchmark_name
     from eagle3lib.device import auto_device, dtype_name
+    from eagle3lib.evaluate import benchmarks
     from eagle3lib.evaluate.inputs import held_out_prompt_ids, inputs_from_run
     from eagle3lib.evaluate.keys import SERVE
     from eagle3lib.target import load_tokenizer
@@ -134,17 +151,22 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     dname = dtype_name(cfg.target.dtype, device)
     tok = load_tokenizer(cfg.target, inp.model_dir, chat=False)
     prompts = held_out_prompt_ids(inp, tok, cfg.evaluate.num_prompts)[0] if tok is not None else []
+    files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.evaluate.benchmarks])
+    bench_items = {n: benchmarks.select_items(benchmarks.read_items(p), cfg.evaluate.benchmark_prompts)
+                   for n, p in files.items()}
     weights = Path(inp.checkpoint) / "model.safetensors"
     fingerprint = {"k": cfg.evaluate.num_draft_tokens, "dtype": dname, "checkpoint": str(inp.checkpoint),
                    "weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights.is_file() else None,
-                   "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
+                   "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+                   "benchmarks": benchmarks.fingerprint(files, cfg.evaluate.benchmark_prompts)}
     import torch
 
     if torch.cuda.is_available():  # what measure's transformers target left in the allocator's cache is the servers'
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
     results["serve"] = run_serve(cfg, inp, tok, prompts, stage.rd.path("eval", "serve"), dname, device, fingerprint,
-                                 progress=progress)
+                                 bench_items, progress=progress)
+    add_benchmark_rows(results, results["serve"].pop("benchmark_rows"))
     results.setdefault("seconds", {})["serve"] = round(time.perf_counter() - t0, 2)
     results.setdefault("by_method", {})[SERVE] = results["serve"]["acceptance"]
     atomic.write_json(stage.rd.path("eval", "results.json"), results)
@@ -152,8 +174,10 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
 
 
 def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str, device: str,
-              fingerprint: dict[str, Any], progress: bool = True) -> dict[str, Any]:
-    """The serve method (see the module docstring): both servers, every level, the outputs compared."""
+              fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]] | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """The serve method (see the module docstring): both servers, every level, the outputs compared, and each
+    benchmark's items asked of the draft's server (`ask_on_server`; result["benchmark_rows"])."""
     from tqdm.auto import tqdm
 
     from eagle3lib.device import on_cpu
@@ -174,7 +198,9 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     workdir.mkdir(parents=True, exist_ok=True)
     prompts_file = workdir / "prompts.jsonl"
     exact = write_prompts(tok, prompts, prompts_file)
-    max_len = vllm_job(inp, prompts, max_tokens, dname)["max_model_len"]
+    bench_items = bench_items or {}
+    max_len = max([vllm_job(inp, prompts, max_tokens, dname)["max_model_len"],
+                   *(longest_conversation(tok, items, max_tokens) for items in bench_items.values())])
     common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
                   max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args))
     args = {"eagle3": serve_args(draft=inp.checkpoint, **common), "baseline": serve_args(draft=None, **common)}
@@ -184,6 +210,8 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
         "prompts_file": hashlib.sha256(prompts_file.read_bytes()).hexdigest()})
     scratch: dict[str, Any] = {"seconds": {}}
     todo = {v: [c for c in levels if not store.has(f"{v} c={c}")] for v in VARIANTS}
+    # the draft's server also asks every benchmark (the baseline's counters would say nothing)
+    asks = {"eagle3": [f"benchmark {n}" for n in bench_items], "baseline": []}
     reused = [f"{v} c={c}" for v in VARIANTS for c in levels if c not in todo[v]]  # kept from an earlier attempt
     if reused:
         log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(reused), store.path)
@@ -192,7 +220,8 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     try:
         with interrupt_on_sigterm():
             for variant in VARIANTS:
-                if not todo[variant] and store.has(f"{variant} outputs") and store.has(f"{variant} command"):
+                if not todo[variant] and all(store.has(f"{variant} {x}") for x in ["outputs", "command",
+                                                                                   *asks[variant]]):
                     continue
                 if worker is None:  # imports vLLM's benchmark while the first server starts
                     worker = BenchWorker(workdir, server_environment(workdir / ".cache"))
@@ -211,6 +240,12 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                     if not store.has(f"{variant} outputs"):
                         bar.set_postfix(server=variant, outputs="token ids")
                         store.run(f"{variant} outputs", partial(server.complete, prompts, max_tokens), scratch)
+                    for name in asks[variant]:
+                        if not store.has(f"{variant} {name}"):
+                            bar.set_postfix(server=variant, asking=name)
+                            store.run(f"{variant} {name}", partial(
+                                ask_on_server, server, tok, bench_items[name.removeprefix("benchmark ")],
+                                max_tokens, k), scratch)
     finally:
         bar.close()
         if worker is not None:
@@ -221,8 +256,87 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                   level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
     result.update(tie_check(cfg, inp, prompts, store.methods["baseline outputs"]["value"],
                             store.methods["eagle3 outputs"]["value"], device))
+    result["benchmark_rows"] = {}
+    for name, items in bench_items.items():
+        asked = store.methods[f"eagle3 benchmark {name}"]["value"]
+        atomic.write_text(workdir / f"bench_{name}.jsonl",  # the conversations asked, the server's answers in them
+                          "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in asked["asked"]))
+        result["benchmark_rows"][name] = benchmark_rows(name, asked, k, inp.benchmark_info.get(name, {}), len(items))
+    result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if n.startswith("eagle3 benchmark")}
     store.clear()  # every level is in the result now
     return result
+
+
+def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens: int, k: int) -> dict[str, Any]:
+    """One benchmark's items asked of the draft's server turn by turn, as `benchmarks.ask_in_turn` asks the
+    transformers target: a later turn follows the server's own greedy answer to the turns before it (the target's
+    answer: greedy speculative decoding changes a token only at a bf16 rounding tie, which the held-out outputs'
+    tie check measures). One request per (turn, category), between two reads of the spec-decode counters: the
+    server's acceptance per category and turn, cheap enough for every question (MT-Bench's 160 prompts at 192
+    tokens: seconds on a GPU). Returns {"asked": [{messages, category, turn}], "groups": [{category, turn,
+    prompts, acceptance}]}."""
+    from eagle3lib.evaluate import benchmarks
+    from eagle3lib.evaluate.server import counters_delta
+
+    stop = {t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None}
+    asked: list[dict[str, Any]] = []
+    groups: list[dict[str, Any]] = []
+    open_convs = [(it, [dict(m) for m in it["messages"]]) for it in items]
+    turn = 1
+    while open_convs:
+        prompts = [benchmarks.chat_ids(tok, msgs) for _, msgs in open_convs]
+        cats = [str(it.get("category")) for it, _ in open_convs]
+        outs: list[list[int]] = [[] for _ in prompts]
+        for cat in dict.fromkeys(cats):
+            idx = [i for i, c in enumerate(cats) if c == cat]
+            before = server.spec_counters()
+            for i, ids in zip(idx, server.complete([prompts[i] for i in idx], max_tokens), strict=True):
+                outs[i] = ids
+            delta = counters_delta(before, server.spec_counters(), k)
+            groups.append({"category": cat, "turn": turn, "prompts": len(idx),
+                           "acceptance": Acceptance.from_dict(delta).to_dict() if delta else None})
+        asked += [{"messages": msgs, "category": it.get("category"), "turn": turn} for it, msgs in open_convs]
+        open_convs = benchmarks.next_turn(open_convs, [benchmarks.answer_text(tok, o, stop) for o in outs], turn)
+        turn += 1
+    server.check()
+    return {"asked": asked, "groups": groups}
+
+
+def benchmark_rows(name: str, asked: dict[str, Any], k: int, info: dict[str, Any], questions: int) -> dict[str, Any]:
+    """`ask_on_server`'s groups as results["tau_by_benchmark"][name] rows of the SERVE method: the whole benchmark,
+    by category and by turn (the shape `benchmarks.group` gives the embedded and offline rows)."""
+    from eagle3lib.evaluate.keys import SERVE
+
+    def merged(groups: list[dict[str, Any]]) -> dict[str, Any]:
+        acc = Acceptance(k)
+        for g in groups:
+            if g["acceptance"]:
+                acc.merge(Acceptance.from_dict(g["acceptance"]))
+        return {"prompts": sum(g["prompts"] for g in groups), "by_method": {SERVE: acc.to_dict()}}
+
+    groups = asked["groups"]
+    return {"source": info.get("source"), "questions": questions, "dedup_dropped": info.get("dedup_dropped"),
+            **merged(groups),
+            "by_category": {c: merged([g for g in groups if g["category"] == c])
+                            for c in dict.fromkeys(g["category"] for g in groups)},
+            "by_turn": {str(t): merged([g for g in groups if g["turn"] == t])
+                        for t in dict.fromkeys(g["turn"] for g in groups)}}
+
+
+def add_benchmark_rows(results: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
+    """Each benchmark's SERVE rows into results["tau_by_benchmark"], beside the embedded/offline rows a `measure`
+    of the same items wrote (same categories and turns), or as the benchmark's only rows."""
+    benches = results.setdefault("tau_by_benchmark", {})
+    for name, new in rows.items():
+        old = benches.get(name)
+        if old is None:
+            benches[name] = new
+            continue
+        old["by_method"].update(new["by_method"])
+        for part in ("by_category", "by_turn"):
+            for g, row in new[part].items():
+                old.setdefault(part, {}).setdefault(g, {"prompts": row["prompts"], "by_method": {}})[
+                    "by_method"].update(row["by_method"])
 
 
 def _level(server: Any, worker: Any, variant: str, level: int, requests: int, max_tokens: int, k: int, seed: int,

@@ -124,15 +124,21 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     from eagle3lib.rundir import RunDir
     from eagle3lib.stages import get_stage
 
+    from eagle3lib.extract import prepare
+
     cfg = load_config(None, [f"run.output_root={root}", "run.name=serve", f"target.model={target_dir}",
                              "target.dtype=float32", "evaluate.methods=[serve]", "evaluate.serve_concurrency=[1, 4]",
-                             "evaluate.serve_requests=4", "evaluate.max_new_tokens=8"])
+                             "evaluate.serve_requests=4", "evaluate.max_new_tokens=8",
+                             "evaluate.benchmarks=[mt_bench]", "evaluate.benchmark_prompts=2"])
     rd = RunDir.create(cfg)
     prompts = "".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS)
     atomic.write_text(rd.path("data", "eval.jsonl"), prompts)
+    benches = prepare.write_benchmarks(cfg, rd.path("data"))  # stage 02's own writer
     rd.write_manifest(get_stage("02"), started=time.time(), outputs={
-        "dataset": rd.path("dataset"), "eval_prompts": rd.path("data", "eval.jsonl"), "model_dir": str(target_dir)},
-        metrics={"layer_ids": [2, 15, 27, 30], "train_rows": 0, "val_rows": 0})
+        "dataset": rd.path("dataset"), "eval_prompts": rd.path("data", "eval.jsonl"), "model_dir": str(target_dir),
+        **{f"benchmark_{n}": b["path"] for n, b in benches.items()}},
+        metrics={"layer_ids": [2, 15, 27, 30], "train_rows": 0, "val_rows": 0,
+                 "benchmarks": {n: {"source": b["source"], "dedup_dropped": 0} for n, b in benches.items()}})
     rd.write_manifest(get_stage("04"), started=time.time(), outputs={"verifier_dir": rd.path("verifier")}, metrics={})
     rd.write_manifest(get_stage("05"), started=time.time(), outputs={"checkpoint": str(draft_dir)}, metrics={})
     config = root / "serve.yaml"
@@ -155,6 +161,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     from test_evaluate import _draft_model
 
     from eagle3lib import evaluate
+    from eagle3lib.evaluate.keys import SERVE
     from eagle3lib.rundir import open_stage
 
     _draft_model(smollm2_dir, [2, 15, 27], 2048).save_pretrained(str(tmp_path / "draft"))
@@ -234,6 +241,21 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     p1, p2 = server_cmdline.index("--port"), ran_argv.index("--port")
     assert server_cmdline[:p1 + 1] + server_cmdline[p1 + 2:] == ran_argv[:p2 + 1] + ran_argv[p2 + 2:]
     assert "| concurrency |" in report and stage.rd.figure_path("06", "serve_speedup").stat().st_size > 1000
+    # MT-Bench asked of the draft's server (no transformers target: only 'serve' is configured), turn 2 after the
+    # server's own answer to turn 1; its counters per category and turn add up to the whole benchmark's
+    mt = result.results["tau_by_benchmark"]["mt_bench"]
+    whole = mt["by_method"][SERVE]
+    assert (mt["questions"], mt["prompts"]) == (2, 4) and set(mt["by_category"]) == {"writing", "roleplay"}
+    assert whole["drafts"] > 0 and whole["draft_tokens"] == 3 * whole["drafts"] and 1.0 <= whole["tau"] <= 4.0
+    for part in ("by_category", "by_turn"):
+        assert sum(g["by_method"][SERVE]["drafts"] for g in mt[part].values()) == whole["drafts"]
+    assert {t: g["prompts"] for t, g in mt["by_turn"].items()} == {"1": 2, "2": 2}
+    asked = [json.loads(line) for line in (serve_dir / "bench_mt_bench.jsonl").read_text().splitlines()]
+    for a in (a for a in asked if a["turn"] == 2):
+        user1, answer, user2 = a["messages"]
+        assert (user1["role"], answer["role"], user2["role"]) == ("user", "assistant", "user") and answer["content"]
+    assert "| mt_bench | 2 | 4 |" in report and f"τ {SERVE}" in report
     manifest = json.loads(stage.rd.manifest_path(stage.stage).read_text())
     assert set(manifest["metrics"]["serve_speedup_by_concurrency"]) == {"1", "4"}
+    assert manifest["metrics"]["tau_by_benchmark"]["mt_bench"][SERVE] == whole["tau"]
     assert not (serve_dir / "partial.json").exists()

@@ -178,7 +178,7 @@ def test_config_never_trains_on_mt_bench_and_checks_benchmarks():
         load_config(None, ["data.sources=[{kind: mt_bench}]"])
     with pytest.raises(WorkbookError, match="unknown benchmark 'mtbench'"):
         load_config(None, ["evaluate.benchmarks=[mtbench]"])
-    with pytest.raises(WorkbookError, match="measured by the embedded and offline methods"):
+    with pytest.raises(WorkbookError, match="measured by the embedded, offline and serve methods"):
         load_config(None, ["evaluate.benchmarks=[mt_bench]", "evaluate.methods=[vllm]"])
     with pytest.raises(WorkbookError, match="same name"):
         load_config(None, ["evaluate.benchmarks=[mt_bench, /x/mt_bench.jsonl]"])
