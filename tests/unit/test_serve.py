@@ -121,10 +121,9 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     serve step reads nothing else); returns its config file."""
     from eagle3lib import atomic
     from eagle3lib.config import load_config
+    from eagle3lib.extract import prepare
     from eagle3lib.rundir import RunDir
     from eagle3lib.stages import get_stage
-
-    from eagle3lib.extract import prepare
 
     cfg = load_config(None, [f"run.output_root={root}", "run.name=serve", f"target.model={target_dir}",
                              "target.dtype=float32", "evaluate.methods=[serve]", "evaluate.serve_concurrency=[1, 4]",
