@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
     stages = sub.add_parser("stages", help="list the stages")
     stages.set_defaults(func=_cmd_stages)
-    compare = sub.add_parser("compare", help="one table of tau and wall time across runs (markdown)")
+    compare = sub.add_parser("compare", help="tau per method, benchmark and category, serving speedup and wall time "
+                             "across runs (markdown)")
     compare.add_argument("runs", nargs="+", type=Path, help="run folders, e.g. outputs/a outputs/b")
     compare.set_defaults(func=_cmd_compare)
     lab = sub.add_parser("lab", help="open the workbook in JupyterLab (127.0.0.1, with a token)")

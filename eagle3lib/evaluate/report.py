@@ -314,35 +314,102 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     return "\n".join(out)
 
 
+COMPARE_LIVE = (SERVE, EMBEDDED, VLLM)  # the row a benchmark's τ across runs is read from, the first a run has
+
+
+def _read_results(root: Path) -> dict[str, Any]:
+    """A run's eval/results.json, or {} where stage 06 has not run (or left no readable file): `eagle3 compare`
+    shows such a run's stage 06 columns as — rather than failing on it."""
+    try:
+        return json.loads((root / "eval" / "results.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _live_tau(by_method: dict[str, Any]) -> tuple[str | None, float | None]:
+    """The row (COMPARE_LIVE order) and τ a benchmark or category is compared by across runs. The server's first:
+    the number a deployment sees, and a serve-only run (the 1.5B recipe) has no other; then the exact embedded
+    decoder; then vLLM in-process. One τ per run keeps the table one column per benchmark."""
+    name = next((m for m in COMPARE_LIVE if by_method.get(m)), None)
+    return name, (by_method[name].get("tau") if name else None)
+
+
+def _rows_used(results: dict[str, Any]) -> list[str]:
+    """The rows _live_tau reads for a run's benchmarks and their categories, in COMPARE_LIVE order: the note names
+    them per run, since a run compared by the server's counters and one by the embedded decoder differ in kind."""
+    groups = [g for b in (results.get("tau_by_benchmark") or {}).values()
+              for g in (b, *(b.get("by_category") or {}).values())]
+    used = {_live_tau(g.get("by_method") or {})[0] for g in groups}
+    return [m for m in COMPARE_LIVE if m in used]
+
+
+def _levels(runs: list[dict[str, Any]]) -> list[int]:
+    """Every concurrency level any run's serve sweep measured, ascending: the ×c=N columns (a run's levels are
+    `evaluate.serve_concurrency`, which runs may set differently)."""
+    return sorted({int(c) for r in runs for c in (r.get("serve") or {}).get("speedup_by_concurrency") or {}})
+
+
+def _category_lines(roots: list[Path], runs: list[dict[str, Any]]) -> list[str]:
+    """τ per (benchmark, category) with one column per run, the same row preference as the benchmark columns
+    (_live_tau): where the runs differ by MT-Bench category (coding vs writing) is what one τ per benchmark hides.
+    Empty where no run grouped a benchmark by category."""
+    cells: dict[tuple[str, str], dict[int, float | None]] = {}
+    for i, r in enumerate(runs):
+        for name, b in (r.get("tau_by_benchmark") or {}).items():
+            for cat, g in (b.get("by_category") or {}).items():
+                cells.setdefault((name, cat), {})[i] = _live_tau(g.get("by_method") or {})[1]
+    if not cells:
+        return []
+    rows = [[name, cat] + [taus.get(i) for i in range(len(runs))] for (name, cat), taus in cells.items()]
+    return ["τ by benchmark category (one column per run; rows read as for the benchmark columns):", "",
+            _table(["benchmark", "category", *(r.name for r in roots)], rows)]
+
+
 def compare_runs(roots: list[Path]) -> str:
-    """One table across runs (drafts trained on different layers, data or settings; same held-out prompts when
-    they share stage 02's eval split), plus vLLM's n-gram lookup from the first run that measured it: what
-    `eagle3 compare` prints. Only recorded numbers; a stage a run lacks shows as —."""
-    rows, ngram = [], None
-    for root in roots:
+    """One table across runs (drafts trained on different layers, data, targets or settings; same held-out prompts
+    when they share stage 02's eval split), plus vLLM's n-gram lookup from the first run that measured it, then τ
+    by benchmark category: what `eagle3 compare` prints. Columns: τ per method, τ per benchmark any run measured,
+    the serving speedup at each concurrency level any run's serve sweep measured. Only recorded numbers; what a
+    run lacks shows as —."""
+    runs = [_read_results(root) for root in roots]
+    benches = list(dict.fromkeys(b for r in runs for b in r.get("tau_by_benchmark") or {}))
+    levels = _levels(runs)
+    rows, ngram, used = [], None, []
+    for root, results in zip(roots, runs, strict=True):
         man = read_manifests(root)
-        try:
-            results = json.loads((root / "eval" / "results.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            results = {}
         by = results.get("by_method", {})
         live = by.get(VLLM) or by.get(EMBEDDED) or {}
         m05 = man.get("05", {}).get("metrics", {})
+        taus = {b: _live_tau(g.get("by_method") or {})[1] for b, g in (results.get("tau_by_benchmark") or {}).items()}
+        speedup = (results.get("serve") or {}).get("speedup_by_concurrency") or {}
         rows.append([root.name, (man.get("02", {}).get("metrics", {}).get("layer_ids") or [None])[:-1] or None,
                      m05.get("val_eal"), by.get(EMBEDDED, {}).get("tau"), by.get(VLLM, {}).get("tau"),
+                     by.get(SERVE, {}).get("tau"), *(taus.get(b) for b in benches),
                      live.get("tokens_per_step"),
                      per_position(live),
+                     *(speedup.get(str(c)) for c in levels),
                      man.get("05", {}).get("seconds"),
                      round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None])
+        if read := _rows_used(results):
+            used.append(f"{root.name}: {' + '.join(read)}")
         if ngram is None and NGRAM in by:
             ng = by[NGRAM]
-            ngram = ["vLLM n-gram lookup (no draft)", None, None, None, ng["tau"], ng.get("tokens_per_step"),
-                     per_position(ng), None, None]
-    header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "tokens per step", "per position",
-              "train s", "stages s"]
-    note = ("τ = 1 + accepted / drafts (over the steps that drafted); tokens per step = generated / target forwards, "
+            ngram = ["vLLM n-gram lookup (no draft)", None, None, None, ng["tau"], None, *(None for _ in benches),
+                     ng.get("tokens_per_step"), per_position(ng), *(None for _ in levels), None, None]
+    header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "τ serve", *(f"τ {b}" for b in benches),
+              "tokens per step", "per position", *(f"×c={c}" for c in levels), "train s", "stages s"]
+    note = ("τ = 1 + accepted / drafts (over the steps that drafted); τ serve = the real `vllm serve` with the draft, "
+            "its /metrics counters over every concurrency level; tokens per step = generated / target forwards, "
             "from vLLM where it ran, else the embedded decoder; per position = accepted at p / drafts.")
-    return "\n".join([_table(header, rows + ([ngram] if ngram else [])), "", note])
+    if benches:
+        note += (f" τ <benchmark> and τ by category: the run's `{COMPARE_LIVE[0]}` row where it has one, else "
+                 f"{', else '.join(f'`{m}`' for m in COMPARE_LIVE[1:])} (rows read: {'; '.join(used)}).")
+    if levels:
+        note += (" ×c=N = output tokens/s with the draft ÷ without it, `vllm serve` at concurrency N "
+                 "(the serve step's sweep).")
+    out = [_table(header, rows + ([ngram] if ngram else [])), "", note]
+    cats = _category_lines(roots, runs)
+    return "\n".join(out + ([""] + cats if cats else []))
 
 
 def write_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> Path:

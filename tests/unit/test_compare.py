@@ -1,0 +1,124 @@
+"""`eagle3 compare`: the table across run folders reads what each run recorded (eval/results.json, manifests) and
+shows τ per method and per benchmark, the serving speedup per concurrency level and τ by benchmark category, with —
+where a run lacks a number.
+
+Two small run folders written by hand, shaped as stage 06 writes them: a SmolLM2-like run with the embedded decoder,
+n-gram lookup and the serve sweep at 1/4/16, and a serve-only run (the 1.5B recipe's shape) with another benchmark
+and other levels. No model is loaded: the reader must not need one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3lib import atomic
+from eagle3lib.evaluate.keys import EMBEDDED, NGRAM, SERVE
+from eagle3lib.rundir import manifest_file
+from eagle3lib.stages import get_stage
+
+
+def _acc(tau: float, tokens_per_step: float | None = None, per_pos_rate: list[float] | None = None) -> dict[str, Any]:
+    """An acceptance dict with the fields compare reads (the rest of Acceptance.to_dict is not read)."""
+    return {"tau": tau, "tokens_per_step": tokens_per_step, "per_pos_rate": per_pos_rate or []}
+
+
+def _write_run(root: Path, layer_ids: list[int], val_eal: float, seconds: dict[str, float],
+               results: dict[str, Any]) -> Path:
+    for sid, s in seconds.items():
+        metrics = {"02": {"layer_ids": layer_ids}, "05": {"val_eal": val_eal}}.get(sid, {})
+        atomic.write_json(manifest_file(root, get_stage(sid)), {"stage": sid, "seconds": s, "metrics": metrics})
+    atomic.write_json(root / "eval" / "results.json", results)
+    return root
+
+
+def _runs(tmp_path: Path) -> list[Path]:
+    small = _write_run(tmp_path / "smollm2", [2, 15, 27, 30], 2.5, {"02": 40.0, "05": 100.0, "06": 60.0}, {
+        "by_method": {EMBEDDED: _acc(2.322, 2.1, [0.61, 0.39, 0.27]), NGRAM: _acc(2.73, 1.41, [0.5, 0.3, 0.2]),
+                      SERVE: _acc(2.3371, 2.2)},
+        "tau_by_benchmark": {"mt_bench": {
+            "questions": 2, "prompts": 4, "by_method": {EMBEDDED: _acc(2.4), SERVE: _acc(2.5689)},
+            "by_category": {"writing": {"prompts": 2, "by_method": {EMBEDDED: _acc(2.1), SERVE: _acc(2.2)}},
+                            "coding": {"prompts": 2, "by_method": {EMBEDDED: _acc(2.9)}}}}},
+        "serve": {"speedup_by_concurrency": {"1": 1.3043, "4": 0.9563, "16": 0.8184}}})
+    qwen = _write_run(tmp_path / "qwen15", [2, 14, 24, 27], 3.0, {"02": 50.0, "05": 200.0}, {
+        "by_method": {SERVE: _acc(2.9, 2.6)},
+        "tau_by_benchmark": {
+            "mt_bench": {"questions": 2, "prompts": 4, "by_method": {SERVE: _acc(3.1)},
+                         "by_category": {"writing": {"prompts": 2, "by_method": {SERVE: _acc(2.8)}},
+                                         "math": {"prompts": 2, "by_method": {SERVE: _acc(3.3)}}}},
+            "alpaca_eval": {"questions": 3, "prompts": 3, "by_method": {SERVE: _acc(2.7)}}},
+        "serve": {"speedup_by_concurrency": {"64": 0.9, "1": 1.5}}})
+    return [small, qwen]
+
+
+def _tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table in `text` as rows of {header: cell}."""
+    tables, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|---") and i > 0:
+            header = [c.strip() for c in lines[i - 1].strip("|").split("|")]
+            rows = []
+            for row in lines[i + 1:]:
+                if not row.startswith("| "):
+                    break
+                rows.append(dict(zip(header, (c.strip() for c in row.strip("|").split("|")), strict=True)))
+            tables.append(rows)
+    return tables
+
+
+def test_compare_shows_tau_per_benchmark_the_serving_speedup_per_level_and_tau_by_category(tmp_path, capsys):
+    from eagle3lib.cli import main
+    from eagle3lib.evaluate.report import compare_runs
+
+    roots = _runs(tmp_path)
+    text = compare_runs(roots)
+    print(text)
+    main_table, cats = _tables(text)
+    # columns: the existing ones kept, τ serve, one per benchmark any run has (first seen first), one per level any
+    # run's sweep measured (ascending, numerically: 16 before 64)
+    assert list(main_table[0]) == [
+        "draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "τ serve", "τ mt_bench", "τ alpaca_eval",
+        "tokens per step", "per position", "×c=1", "×c=4", "×c=16", "×c=64", "train s", "stages s"]
+    small, qwen, ngram = main_table
+    assert small == {
+        "draft": "smollm2", "aux layers": "[2, 15, 27]", "val EAL (05)": "2.500", "τ embedded": "2.322",
+        "τ vLLM": "—", "τ serve": "2.337", "τ mt_bench": "2.569",  # the server's row, preferred over embedded's 2.4
+        "τ alpaca_eval": "—", "tokens per step": "2.100", "per position": "0.61 / 0.39 / 0.27",
+        "×c=1": "1.304", "×c=4": "0.956", "×c=16": "0.818", "×c=64": "—", "train s": "100.000",
+        "stages s": "200.000"}
+    assert qwen == {
+        "draft": "qwen15", "aux layers": "[2, 14, 24]", "val EAL (05)": "3.000", "τ embedded": "—", "τ vLLM": "—",
+        "τ serve": "2.900", "τ mt_bench": "3.100", "τ alpaca_eval": "2.700", "tokens per step": "—",
+        "per position": "—", "×c=1": "1.500", "×c=4": "—", "×c=16": "—", "×c=64": "0.900", "train s": "200.000",
+        "stages s": "250.000"}
+    # the n-gram row: τ in the vLLM column as before, nothing in the draft's benchmark or serving columns
+    assert ngram["draft"] == "vLLM n-gram lookup (no draft)" and ngram["τ vLLM"] == "2.730"
+    assert ngram["tokens per step"] == "1.410" and ngram["per position"] == "0.50 / 0.30 / 0.20"
+    assert {ngram[c] for c in ("τ serve", "τ mt_bench", "τ alpaca_eval", "×c=1", "×c=64")} == {"—"}
+    # the note says which rows each run's benchmark τ is read from (smollm2's coding category: the embedded row)
+    assert "rows read: smollm2: vllm serve + embedded; qwen15: vllm serve)" in text and "×c=N" in text
+    # τ by category: one row per (benchmark, category) any run has, one column per run; coding falls back to the
+    # embedded row where the serve step did not ask it; alpaca_eval has no categories, so no row
+    assert [(r["benchmark"], r["category"], r["smollm2"], r["qwen15"]) for r in cats] == [
+        ("mt_bench", "writing", "2.200", "2.800"), ("mt_bench", "coding", "2.900", "—"),
+        ("mt_bench", "math", "—", "3.300")]
+    capsys.readouterr()
+    assert main(["compare", *map(str, roots)]) == 0  # the CLI prints the same table
+    assert capsys.readouterr().out.strip() == text
+
+
+def test_compare_without_benchmarks_or_a_sweep_has_no_such_columns_and_no_category_table(tmp_path):
+    """A run that stopped before stage 06 (no eval/results.json): its row is the manifests' numbers and —."""
+    from eagle3lib.evaluate.report import compare_runs
+
+    root = tmp_path / "early"
+    atomic.write_json(manifest_file(root, get_stage("05")), {"seconds": 12.5, "metrics": {"val_eal": 1.5}})
+    text = compare_runs([root])
+    (table,) = _tables(text)
+    assert list(table[0]) == ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "τ serve",
+                              "tokens per step", "per position", "train s", "stages s"]
+    assert table == [{"draft": "early", "aux layers": "—", "val EAL (05)": "1.500", "τ embedded": "—",
+                      "τ vLLM": "—", "τ serve": "—", "tokens per step": "—", "per position": "—",
+                      "train s": "12.500", "stages s": "12.500"}]
+    assert "τ by benchmark category" not in text and "×c=N" not in text
