@@ -378,7 +378,7 @@ def compare_runs(roots: list[Path]) -> str:
     for root, results in zip(roots, runs, strict=True):
         man = read_manifests(root)
         by = results.get("by_method", {})
-        live = by.get(VLLM) or by.get(EMBEDDED) or {}
+        live = by.get(VLLM) or by.get(EMBEDDED) or by.get(SERVE) or {}  # a serve-only run: the server's counters
         m05 = man.get("05", {}).get("metrics", {})
         taus = {b: _live_tau(g.get("by_method") or {})[1] for b, g in (results.get("tau_by_benchmark") or {}).items()}
         speedup = (results.get("serve") or {}).get("speedup_by_concurrency") or {}
@@ -400,7 +400,8 @@ def compare_runs(roots: list[Path]) -> str:
               "tokens per step", "per position", *(f"×c={c}" for c in levels), "train s", "stages s"]
     note = ("τ = 1 + accepted / drafts (over the steps that drafted); τ serve = the real `vllm serve` with the draft, "
             "its /metrics counters over every concurrency level; tokens per step = generated / target forwards, "
-            "from vLLM where it ran, else the embedded decoder; per position = accepted at p / drafts.")
+            "from vLLM in-process where it ran, else the embedded decoder, else the server; per position = accepted at p / "
+            "drafts.")
     if benches:
         note += (f" τ <benchmark> and τ by category: the run's `{COMPARE_LIVE[0]}` row where it has one, else "
                  f"{', else '.join(f'`{m}`' for m in COMPARE_LIVE[1:])} (rows read: {'; '.join(used)}).")

@@ -89,7 +89,7 @@ def test_compare_shows_tau_per_benchmark_the_serving_speedup_per_level_and_tau_b
         "stages s": "200.000"}
     assert qwen == {
         "draft": "qwen15", "aux layers": "[2, 14, 24]", "val EAL (05)": "3.000", "τ embedded": "—", "τ vLLM": "—",
-        "τ serve": "2.900", "τ mt_bench": "3.100", "τ alpaca_eval": "2.700", "tokens per step": "—",
+        "τ serve": "2.900", "τ mt_bench": "3.100", "τ alpaca_eval": "2.700", "tokens per step": "2.600",
         "per position": "—", "×c=1": "1.500", "×c=4": "—", "×c=16": "—", "×c=64": "0.900", "train s": "200.000",
         "stages s": "250.000"}
     # the n-gram row: τ in the vLLM column as before, nothing in the draft's benchmark or serving columns
