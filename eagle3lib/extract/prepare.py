@@ -145,24 +145,6 @@ def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) 
 
 
 # --------------------------------------------------------------------------------------------- self-distillation
-CUT_MARGIN = 16  # tokens past data.max_length before a conversation is full: a merge across the cut changes none kept
-
-
-def full_conversations(tok, convs: list[list[dict[str, str]]], max_length: int) -> list[bool]:
-    """Which conversations (each ending with an answer) already render to more than max_length + CUT_MARGIN
-    tokens: any later turn and its reply lie wholly past the cut `_prepare` makes at data.max_length, so asking
-    the target for that reply would be generation thrown away (ShareGPT's long conversations). Only texts of at
-    least max_length UTF-8 bytes are tokenized: a byte-level or byte-fallback token covers one byte or more."""
-    texts = [_render(tok, c) for c in convs]
-    limit = max_length + CUT_MARGIN
-    long = [i for i, t in enumerate(texts) if len(t.encode()) > limit]
-    full = [False] * len(convs)
-    if long:
-        for i, ids in zip(long, tok([texts[i] for i in long], add_special_tokens=False)["input_ids"], strict=True):
-            full[i] = len(ids) > limit
-    return full
-
-
 def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dict[str, str]]], cache_path: Path,
                  progress: bool = True, generator: Generator | None = None, variants: list[int] | None = None,
                  ) -> tuple[list[list[dict[str, str]]], dict[str, Any]]:
@@ -172,8 +154,7 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     turn logic, the cache and the stats live here and in `generate_cached`, shared by both. Conversation i is
     answered at `gen_temperatures[i % len]` (or `gen_temperature`), part of its cache key. `variants[i]` > 0 marks an
     extra reply to a prompt that is already in `convs` (`data.sources[].replies`): sampled at the highest
-    temperature, the variant in its cache key. A conversation ends at the first turn that would lie wholly past
-    data.max_length (`full_conversations`): the rows are the same tokens, and replies nobody trains on are not made.
+    temperature, the variant in its cache key.
     """
     import time
 
@@ -186,23 +167,14 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     skeletons = [[m for m in c if m["role"] != "assistant"] for c in convs]
     done: list[list[dict[str, str]]] = [[] for _ in convs]
     gen = generator or make_generator(cfg, model_dir, tok)
-    stats = {**new_stats(), "turns_past_max_length": 0}  # user turns not asked: wholly past data.max_length
+    stats = new_stats()
     n_user_max = max(sum(m["role"] == "user" for m in s) for s in skeletons) if skeletons else 0
     pos = [0] * len(skeletons)  # next index into each skeleton
     bar = tqdm(total=sum(sum(m["role"] == "user" for m in s) for s in skeletons), desc="self-distill", unit="reply",
                disable=not progress)
     t0 = time.time()
     try:
-        for turn in range(n_user_max):
-            if turn:  # the conversations that already fill data.max_length ask nothing more
-                going = [ci for ci, sk in enumerate(skeletons) if pos[ci] < len(sk)]
-                for ci, full in zip(going, full_conversations(tok, [done[ci] for ci in going], d.max_length),
-                                    strict=True):
-                    if full:
-                        rest = sum(m["role"] == "user" for m in skeletons[ci][pos[ci]:])
-                        bar.update(rest)
-                        stats["turns_past_max_length"] += rest
-                        pos[ci] = len(skeletons[ci])
+        for _turn in range(n_user_max):
             pending: list[tuple[int, str, str, float]] = []
             for ci, sk in enumerate(skeletons):
                 # copy turns up to and including the next user turn

@@ -146,32 +146,6 @@ def test_prepare_self_distills_splits_and_resumes_from_its_cache(tmp_path, smoll
         assert "Paris" in replies["What is the capital of France?"]
 
 
-def test_self_distillation_asks_no_turn_past_max_length_and_keeps_the_same_rows(tmp_path, smol_tok, smollm2_dir):
-    """A multi-turn conversation stops being answered once it renders past data.max_length (+ the cut margin):
-    those replies would be truncated away whole. The rows (ids and loss mask at max_length) are the ones every turn
-    answered gives; the same cache serves both runs, so the replies compared are the same."""
-    convs = [[m for t in range(4) for m in ({"role": "user", "content": f"Tell me fact number {t} about {topic}."},
-                                            {"role": "assistant", "content": "old"})]
-             for topic in ("the sea", "the moon", "trees")]
-    cache = tmp_path / "cache.jsonl"
-    every, every_st = prepare.self_distill(
-        load_config(None, ["data.gen_max_new_tokens=24", "data.max_length=100000"]), smollm2_dir, smol_tok, convs,
-        cache, progress=False)
-    assert every_st["generated"] == 12 and every_st["turns_past_max_length"] == 0
-    cut, cut_st = prepare.self_distill(load_config(None, ["data.gen_max_new_tokens=24", "data.max_length=64"]),
-                                       smollm2_dir, smol_tok, convs, cache, progress=False)
-    asked = sum(m["role"] == "user" for c in cut for m in c)
-    assert cut_st["generated"] == 0 and cut_st["cached"] == asked < 12  # fewer replies asked for
-    assert cut_st["turns_past_max_length"] == 12 - asked
-    for a, b in zip(every, cut, strict=True):
-        assert b == a[:len(b)] and b[-1]["role"] == "assistant"
-        full = prepare.tokenize_conversation(smol_tok, a, 10**9)[0]
-        assert prepare.tokenize_conversation(smol_tok, b, 64) == prepare.tokenize_conversation(smol_tok, a, 64)
-        if len(b) < len(a):  # cut: what it left out lay wholly past the cut (and the margin)
-            assert len(prepare.tokenize_conversation(smol_tok, b, 10**9)[0]) > 64 + prepare.CUT_MARGIN
-            assert len(full) > 64
-
-
 def test_replies_adds_sampled_replies_to_the_same_prompts(tmp_path, smollm2_dir):
     qs = ["Name a color.", "Say hello in Spanish.", "What is 2 plus 2?", "Count to three.", "Name a fruit."]
     src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in qs])
