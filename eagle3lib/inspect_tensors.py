@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +76,17 @@ def slot_problems(hidden_states: torch.Tensor, layer_ids: list[int] | None = Non
     """What only the values show: an all-zero slot, or two identical slots (a layer captured twice).
 
     Compared in float32 token chunks: exact for bf16/fp16 (the cast is lossless) and much faster than bf16 ops on a
-    CPU, with memory bounded by the chunk.
+    CPU, with memory bounded by the chunk; bytes (an FP8 shard as stored, `check_shard`) as they are.
     """
     n_tok, n_slots = hidden_states.shape[0], hidden_states.shape[1]
     name = (lambda s: f"slot {s} (layer {layer_ids[s]})") if layer_ids else (lambda s: f"slot {s}")
     nonzero = torch.zeros(n_slots, dtype=torch.bool)
     same = torch.ones(n_slots, n_slots, dtype=torch.bool)
     for start in range(0, n_tok, CHUNK_TOKENS):
-        x = hidden_states[start:start + CHUNK_TOKENS].to(torch.float32).transpose(0, 1).reshape(n_slots, -1)
-        nonzero |= x.ne(0).any(dim=1)
+        x = hidden_states[start:start + CHUNK_TOKENS]
+        x = (x if x.dtype == torch.uint8 else x.to(torch.float32)).transpose(0, 1).reshape(n_slots, -1)
+        words = x.view(torch.int64) if x.dtype == torch.uint8 and x.shape[1] % 8 == 0 else x  # bytes 8 at a time
+        nonzero |= words.ne(0).any(dim=1)
         for a in range(n_slots):
             for b in range(a + 1, n_slots):
                 if same[a, b]:
@@ -99,13 +101,15 @@ def slot_problems(hidden_states: torch.Tensor, layer_ids: list[int] | None = Non
 
 
 def check_shard(path: Path, row_ids: list[int] | torch.Tensor, seq_len: int | None, spec: shards.ShardSpec,
-                layer_ids: list[int] | None = None, loss_mask_len: int | None = None
+                layer_ids: list[int] | None = None, loss_mask_len: int | None = None, need_states: bool = True
                 ) -> tuple[list[str], torch.Tensor | None]:
     """(problems, hidden_states): `shards.check_shard_file`'s checks plus slots and lengths, reading the file once.
 
     The file is read once because stage 03 also needs the tensor for statistics; the open/keys handling is the same
     as `shards.check_shard_file` and the tensor checks are `shards.problems` itself. The tensor comes back only
-    when the shard is valid.
+    when the shard is valid and `need_states`. An FP8 shard whose states are not needed is checked as stored
+    (`shards.fp8_value_problems`; slots compared byte for byte, exact since a token's scale is shared by its
+    slots): the same verdict without dequantizing 39 GB (the 1.5B recipe's stage 03 took 161 s so, session 8).
     """
     if not path.is_file():
         return ["missing"], None
@@ -116,9 +120,17 @@ def check_shard(path: Path, row_ids: list[int] | torch.Tensor, seq_len: int | No
     stored = shards.format_problems(data, spec)
     if stored:
         return stored, None
-    data = shards.dequantize(data, spec.dtype)
-    token_ids, hidden = data["token_ids"], data["hidden_states"]
-    found = shards.problems(token_ids, hidden, row_ids, spec)
+    as_stored = spec.fp8 and not need_states
+    if as_stored:
+        token_ids, raw = data["token_ids"], data["hidden_states"]
+        found = shards.problems(token_ids, raw, row_ids, replace(spec, dtype=raw.dtype), values=False)
+        if not found:
+            found = shards.fp8_value_problems(data)
+        hidden = raw.view(torch.uint8)  # for the slot checks: zero bytes are zeros, equal bytes equal values
+    else:
+        data = shards.dequantize(data, spec.dtype)
+        token_ids, hidden = data["token_ids"], data["hidden_states"]
+        found = shards.problems(token_ids, hidden, row_ids, spec)
     n_tok = token_ids.shape[0] if token_ids.dim() == 1 else -1
     if seq_len is not None and n_tok != seq_len:
         found.append(f"{n_tok} tokens but the row's seq_len is {seq_len}")
@@ -128,7 +140,7 @@ def check_shard(path: Path, row_ids: list[int] | torch.Tensor, seq_len: int | No
         found.append("empty sequence (0 tokens)")
     if not found:
         found += slot_problems(hidden, layer_ids)
-    return found, (hidden if not found else None)
+    return found, (hidden if not found and not as_stored else None)
 
 
 @dataclass
@@ -438,7 +450,8 @@ def _scan(dataset_dir: Path, spec: shards.ShardSpec, layer_ids: list[int], sampl
         for i in wanted:
             row = ds[i]
             found, hidden = check_shard(shards.shard_path(dataset_dir, i), row["input_ids"], row.get("seq_len"), spec,
-                                        layer_ids, len(row["loss_mask"]) if "loss_mask" in row else None)
+                                        layer_ids, len(row["loss_mask"]) if "loss_mask" in row else None,
+                                        need_states=i in in_stats)
             validation.checked += 1
             if found:
                 validation.invalid[i] = found

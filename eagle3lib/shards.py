@@ -138,8 +138,9 @@ def dequantize(data: dict[str, torch.Tensor], dtype: torch.dtype | None = None) 
 
 
 def problems(token_ids: torch.Tensor, hidden_states: torch.Tensor, expected_ids: torch.Tensor | list[int] | None,
-             spec: ShardSpec) -> list[str]:
-    """Every way a (token_ids, hidden_states) pair is wrong for `spec`; empty when it is right."""
+             spec: ShardSpec, values: bool = True) -> list[str]:
+    """Every way a (token_ids, hidden_states) pair is wrong for `spec`; empty when it is right. `values=False`
+    leaves out the finite check (an FP8 shard as stored: `fp8_value_problems` checks its bytes instead)."""
     out: list[str] = []
     if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
         out.append(f"token_ids must be int64 [T], got {token_ids.dtype} {list(token_ids.shape)}")
@@ -153,10 +154,34 @@ def problems(token_ids: torch.Tensor, hidden_states: torch.Tensor, expected_ids:
         expected = torch.as_tensor(expected_ids, dtype=torch.int64)
         if expected.shape != token_ids.shape or not torch.equal(expected, token_ids.to(torch.int64)):
             out.append(f"token_ids differ from the dataset row (len {token_ids.shape[0]} vs {expected.shape[0]})")
-    if not out:
+    if not out and values:
         if not torch.isfinite(hidden_states).all():
             out.append("hidden_states hold NaN or inf")
     return out
+
+
+def fp8_value_problems(data: dict[str, torch.Tensor]) -> list[str]:
+    """`problems`' finite check on an FP8 shard as stored, without dequantizing it (stage 03 reads every shard; on
+    a CPU dequantizing took 40 of the 79 ms a 1.5B target's shard cost): e4m3fn has no infinity and its NaNs are the
+    bytes 0x7F and 0xFF, and each token's scale must be finite. The dequantized states are finite exactly when both
+    hold (|value| <= 448 x scale = the token's own amax)."""
+    if has_fp8_nan(data["hidden_states"]) or not bool(torch.isfinite(data[SCALES_KEY]).all()):
+        return ["hidden_states hold NaN or inf"]
+    return []
+
+
+_LOW7, _ONES, _HIGH = 0x7F7F7F7F7F7F7F7F, 0x0101010101010101, -0x7F7F7F7F7F7F7F80  # bytes 7F.., 01.., 80.. (int64)
+
+
+def has_fp8_nan(x: torch.Tensor) -> bool:
+    """Does an e4m3fn tensor hold a NaN (a byte whose low 7 bits are all set)? Eight bytes at a time where the size
+    allows: z = (w & 0x7F..) ^ 0x7F.. has a zero byte exactly where a NaN is, and (z - 0x01..) & ~z & 0x80.. is
+    nonzero exactly when z has one (every byte of z is below 0x80). Twice the speed of the byte-wise test on a CPU."""
+    raw = x.contiguous().view(torch.uint8).reshape(-1)
+    if raw.numel() % 8:
+        return bool(((raw & 0x7F) == 0x7F).any())
+    z = (raw.view(torch.int64) & _LOW7) ^ _LOW7
+    return bool(((z - _ONES) & ~z & _HIGH).ne(0).any())
 
 
 def write_shard(dataset_dir: Path, index: int, token_ids: torch.Tensor, hidden_states: torch.Tensor,

@@ -67,3 +67,34 @@ def test_stage_03_validates_and_stage_05_trains_on_fp8_shards(tmp_path, tiny_lla
     assert t_f8["val_eal"] > t_f8["val_eal_untrained"]  # it learned from FP8 states
     assert abs(t_f8["val_eal"] - t_bf["val_eal"]) < 0.1 * t_bf["val_eal"]
     assert s_f8.metrics["norm_mean"] == pytest.approx(s_bf.metrics["norm_mean"], rel=0.02)
+
+
+def test_fp8_shards_checked_as_stored_get_the_verdict_of_their_dequantized_states(tmp_path):
+    """Stage 03 checks an FP8 shard outside its statistics sample without dequantizing it (the bytes: NaN
+    patterns, zero and equal slots; the scales): on every planted fault and on a valid shard, the same problems
+    as the dequantized check names."""
+    from safetensors.torch import load_file, save_file
+
+    spec = shards.ShardSpec(4, 64, torch.bfloat16, fp8=True)
+    ids = torch.arange(24)
+    base = torch.randn(24, 4, 64).bfloat16()
+    faults = {
+        "valid": lambda d: None,
+        "nan byte": lambda d: d["hidden_states"].view(torch.uint8)[3, 1].__setitem__(5, 0x7F),
+        "negative nan byte": lambda d: d["hidden_states"].view(torch.uint8)[20, 3].__setitem__(63, 0xFF),
+        "inf scale": lambda d: d[shards.SCALES_KEY].__setitem__((7, 0, 0), float("inf")),
+        "duplicated slot": lambda d: d["hidden_states"][:, 2].copy_(d["hidden_states"][:, 1]),
+        "zero slot": lambda d: d["hidden_states"].view(torch.uint8)[:, 3].zero_(),
+        "shifted ids": lambda d: d.__setitem__("token_ids", torch.roll(d["token_ids"], 1)),
+    }
+    for n, (name, plant) in enumerate(faults.items()):
+        path = shards.write_shard(tmp_path, n, ids, base, ids, spec)
+        data = load_file(str(path))
+        plant(data)
+        save_file(data, str(path))
+        full, states = inspect_tensors.check_shard(path, ids.tolist(), 24, spec, [2, 3, 5, 8])
+        stored, none = inspect_tensors.check_shard(path, ids.tolist(), 24, spec, [2, 3, 5, 8], need_states=False)
+        assert stored == full and none is None, (name, stored, full)
+        assert bool(full) == (name != "valid") and (states is not None) == (name == "valid"), (name, full)
+    assert shards.has_fp8_nan(torch.full((3,), float("nan")).to(torch.float8_e4m3fn))  # odd size: byte-wise path
+    assert not shards.has_fp8_nan(torch.tensor([448.0, -448.0, 0.0]).to(torch.float8_e4m3fn))
