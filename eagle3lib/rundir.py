@@ -58,6 +58,12 @@ def run_root(cfg: WorkbookConfig) -> Path:
     return root / cfg.run.name
 
 
+def cache_root(cfg: WorkbookConfig) -> Path:
+    """The run's one cache folder: every vLLM process of the run (stage 02's engines, stage 06's servers and
+    children) keeps its VLLM_CACHE_ROOT, hub and temp files here, so one finds what another already built."""
+    return run_root(cfg) / "cache"
+
+
 def manifest_file(root: Path, stage: Stage) -> Path:
     """Where stage `stage`'s manifest lives in run folder `root` (also read without a config, e.g. by the report)."""
     return Path(root) / "manifests" / f"{stage.key}.json"

@@ -28,3 +28,12 @@ wrong = [p for p in pins if md.version(p.split("==")[0]) != p.split("==")[1]]
 assert not wrong, f"not installed at these versions: {wrong}"
 print("vllm", vllm.__version__, f"| speculators, papermill and the {len(pins)} packages of {sys.argv[1]} ok")
 PY
+# A box that sets PYTHONDONTWRITEBYTECODE compiles every module from source in every process (our CPU boxes: import
+# vllm 18 s -> 6 s once byte-compiled, scripts/install.sh). On the H200 (session 8) each vLLM process took ~25 s
+# before its first log line (the server, its two model inspections, its engine core): compile once, where nothing else
+# ever would. Its cost is logged.
+echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  t=$(date +%s); PYTHONDONTWRITEBYTECODE= python3 -m compileall -q -j 0 /tmp/vsite >/dev/null 2>&1 || true
+  echo "byte-compiled /tmp/vsite in $(( $(date +%s) - t )) s"
+fi

@@ -265,7 +265,7 @@ def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens:
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
     r = run_in_subprocess({**vllm_job(inp, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}, workdir,
-                          f"ngram_k{k}")
+                          f"ngram_k{k}", inp.cache_dir)
     return {"acceptance": with_tokens_per_step(Acceptance.from_dict(r["acceptance"]).to_dict(), r["outputs"]),
             "tokens_per_s": r["tokens_per_s"],
             "engine_start_s": r["engine_start_s"], "outputs": r["outputs"]}
@@ -277,10 +277,11 @@ def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: 
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
     base_job = vllm_job(inp, prompts, max_new_tokens, dtype)
-    base = run_in_subprocess({**base_job, "draft": None, "k": 0}, workdir, "baseline")
+    base = run_in_subprocess({**base_job, "draft": None, "k": 0}, workdir, "baseline", inp.cache_dir)
     runs: dict[int, dict[str, Any]] = {}
     for kk in sorted(set([k] + list(sweep or []))):
-        runs[kk] = run_in_subprocess({**base_job, "draft": str(inp.checkpoint), "k": kk}, workdir, f"eagle3_k{kk}")
+        runs[kk] = run_in_subprocess({**base_job, "draft": str(inp.checkpoint), "k": kk}, workdir, f"eagle3_k{kk}",
+                                     inp.cache_dir)
     main = runs[k]
     identical = count_identical(main["outputs"], base["outputs"])
     return {

@@ -224,9 +224,9 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                                                                                    *asks[variant]]):
                     continue
                 if worker is None:  # imports vLLM's benchmark while the first server starts
-                    worker = BenchWorker(workdir, server_environment(workdir / ".cache"))
+                    worker = BenchWorker(workdir, server_environment(inp.cache_dir))
                 bar.set_postfix(server=f"{variant} starting")
-                with VllmServer(args[variant], name=variant, workdir=workdir,
+                with VllmServer(args[variant], name=variant, workdir=workdir, cache_dir=inp.cache_dir,
                                 start_timeout_s=ecfg.serve_start_timeout_s) as server:
                     store.methods.pop(f"{variant} command", None)  # this server's command, port included
                     store.run(f"{variant} command", partial(command_record, server), scratch)

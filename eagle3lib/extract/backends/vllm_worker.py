@@ -24,6 +24,7 @@ from eagle3lib.device import on_cpu
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.backends import vllm_engine as engine
 from eagle3lib.extract.backends.adapters import check_cpu_support, select_adapter
+from eagle3lib.rundir import cache_root
 from eagle3lib.shards import DTYPES
 from eagle3lib.target import read_hf_config
 
@@ -83,7 +84,7 @@ class VllmWorkerBackend(engine.LogsOutputs):
         self.dtype = DTYPES[cfg.extract.dtype]
         self.n_workers = cfg.extract.tensor_parallel_size * cfg.extract.pipeline_parallel_size
         # on the dataset's filesystem: a file becomes a shard by a rename. Leftovers of a killed run are never read
-        self.spool = engine.cache_root(cfg) / "vllm_worker_states"
+        self.spool = cache_root(cfg) / "vllm_worker_states"
         shutil.rmtree(self.spool, ignore_errors=True)
         self.stats: dict[str, Any] = {"generate_s": 0.0, "pop_s": 0.0, "wait_s": 0.0, "adopted": 0, "converted": 0,
                                       "merged": 0}
