@@ -52,7 +52,7 @@ def main() -> int:
     t0 = time.time()
     job = {"target": str(model_dir), "prompt_token_ids": [prompt], "max_new_tokens": TOKENS, "dtype": "float32",
            "max_model_len": 512, "draft": None, "k": 0}
-    out = run_in_subprocess(job, Path("/tmp/qwen15-vllm"), "baseline", timeout_s=1800)
+    out = run_in_subprocess(job, Path("/tmp/qwen15-vllm"), "baseline", Path("/tmp/qwen15-vllm/cache"), timeout_s=1800)
     vllm_s = round(time.time() - t0, 1)
     result = {
         "note": "2026-12-01 (session 6), on this 2-core CPU box (the CI kind): the embedded 1.5B target assembled, "

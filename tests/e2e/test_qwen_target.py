@@ -165,7 +165,7 @@ def test_vllm_runs_the_qwen_draft_speculatively_with_the_greedy_output(qwen_run,
 
     job = {"target": str(qwen05_dir), "draft": str(qwen_run.output("05", "checkpoint")), "k": 3,
            "prompt_token_ids": [fib_prompt], "max_new_tokens": SPEC_TOKENS, "dtype": "float32", "max_model_len": 512}
-    spec = run_in_subprocess(job, tmp_path / "vllm", "eagle3", timeout_s=900)
+    spec = run_in_subprocess(job, tmp_path / "vllm", "eagle3", tmp_path / "cache", timeout_s=900)
     assert spec["outputs"] == [fib_greedy[:SPEC_TOKENS]]
     acc = Acceptance.from_dict(spec["acceptance"])
     assert acc.drafts > 0 and acc.draft_tokens == 3 * acc.drafts and 0 <= acc.accepted <= acc.draft_tokens

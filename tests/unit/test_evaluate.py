@@ -360,9 +360,11 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
                                        return_dict=False) for t in ("Name three colors.", "What is 2 + 2?")]
     job = {"target": str(smollm2_dir), "prompt_token_ids": prompts, "max_new_tokens": 12, "dtype": "float32",
            "max_model_len": 256}
-    base = run_in_subprocess({**job, "draft": None, "k": 0}, tmp_path / "vllm", "baseline", timeout_s=600)
-    spec = run_in_subprocess({**job, "draft": str(tmp_path / "draft"), "k": 2}, tmp_path / "vllm", "eagle3",
+    cache = tmp_path / "cache"  # the run's one vLLM cache (rundir.cache_root): every child shares it
+    base = run_in_subprocess({**job, "draft": None, "k": 0}, tmp_path / "vllm", "baseline", cache,
                              timeout_s=600)
+    spec = run_in_subprocess({**job, "draft": str(tmp_path / "draft"), "k": 2}, tmp_path / "vllm", "eagle3",
+                             cache, timeout_s=600)
     assert spec["outputs"] == base["outputs"]
     acc = Acceptance.from_dict(spec["acceptance"])
     assert acc.drafts > 0 and acc.draft_tokens == 2 * acc.drafts and 0 <= acc.accepted <= acc.draft_tokens
@@ -378,7 +380,7 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
     loop = tok.apply_chat_template([{"role": "user", "content": "Repeat after me: one two three, one two three, "
                                      "one two three."}], add_generation_prompt=True, tokenize=True, return_dict=False)
     ngram = run_in_subprocess({**job, "prompt_token_ids": [*prompts, loop], "method": "ngram", "k": 2},
-                              tmp_path / "vllm", "ngram", timeout_s=600)
+                              tmp_path / "vllm", "ngram", cache, timeout_s=600)
     assert ngram["method"] == "ngram" and ngram["outputs"][:2] == base["outputs"]
     ng = Acceptance.from_dict(ngram["acceptance"])
     assert ng.drafts > 0 and ng.draft_tokens == 2 * ng.drafts and 0 <= ng.accepted <= ng.draft_tokens
@@ -393,7 +395,7 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
     train.pin_aux_layer_count(one)
     assert train.check_vllm_config(one, **check) == []
     single = run_in_subprocess({**job, "draft": str(one), "k": 2}, tmp_path / "vllm", "eagle3_one_layer",
-                               timeout_s=600)
+                               cache, timeout_s=600)
     assert single["outputs"] == base["outputs"] and Acceptance.from_dict(single["acceptance"]).drafts > 0
 
 
