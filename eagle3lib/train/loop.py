@@ -51,46 +51,62 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
     res = resolved or resolve_settings(tcfg, device)
     patched = _setup_process(res, cfg.run.seed)
     inp = inputs_from_run(rd)
+    t0 = time.perf_counter()
     check_shards(inp, shards.spec_from_metrics(rd.read_manifest("02")["metrics"]))
+    phases = {"check_shards": time.perf_counter() - t0}
     transfer = None
     if tcfg.hidden_states == "online":  # the target must fit before anything is written (eagle3lib.train.online)
         from eagle3lib.train.online import make_transfer
 
         transfer = make_transfer(cfg, inp, res)
     try:
-        return _train(rd, cfg, tcfg, res, patched, inp, transfer, progress)
+        return _train(rd, cfg, tcfg, res, patched, inp, transfer, progress, phases)
     finally:
         if transfer is not None:
             transfer.close()
 
 
 def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, patched: bool, inp: Any,
-           transfer: Any, progress: bool) -> dict[str, Any]:
+           transfer: Any, progress: bool, phases: dict[str, float]) -> dict[str, Any]:
+    """`train`'s body. `phases`: seconds per part, into result.json's phase_seconds (on the 1.5B recipe the stage
+    took 336 s around a 190 s loop, session 8: where the rest goes is measured, not guessed)."""
     from speculators.train.trainer import Trainer
+
+    mark = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - mark[0]
+        mark[0] = now
 
     save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
 
     model, train_kwargs, val_kwargs, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)
     if is_rank0():
         spec_cfg.save(str(save_path))  # speculators' run.yaml + train_command.txt beside the checkpoints
+    lap("build_draft")
     train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed, transfer)
     tconf = _trainer_config(tcfg, res, save_path, train_kwargs, val_kwargs)
+    lap("loaders")
 
     curves_path = draft_dir(rd) / "curves.json"
     with quiet_bars_and_capture() as capture:
         with fused_adamw(res.device):
             trainer = Trainer(model, tconf, train_loader, val_loader)
+        lap("trainer_init")
         start_epoch = trainer.current_epoch
         resumed = start_epoch > 0 or trainer.global_step > 0
         curves = start_curves(curves_path, tcfg.ttt_steps, res, resumed=resumed, start_epoch=start_epoch,
                               global_step=trainer.global_step)
         if not resumed:
             curves["val"].append(_validate_untrained(trainer, tcfg.ttt_steps))
+        lap("untrained_validation")
         recorder = _StepRecorder(trainer, train_loader, capture, curves, tcfg, show=progress and is_rank0())
         last_saved = _train_epochs(trainer, tcfg, recorder, curves, curves_path, start_epoch,
                                    trainer.checkpointer.previous_epoch if resumed else None)
         recorder.close()
         elapsed = recorder.elapsed()
+        lap("epochs")  # the steps (`train_seconds`), then validation and checkpoints after each epoch
 
     if last_saved is None:
         last_saved = trainer.checkpointer.previous_epoch
@@ -102,6 +118,8 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
         result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, recorder.tokens,
                          elapsed, tcfg.ttt_steps)
         result["hidden_states"] = tcfg.hidden_states
+        lap("finalize")
+        result["phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
         if transfer is not None:  # the target's share of the time (train and validation batches, this process)
             result["online_target"] = {"seconds": round(transfer.seconds, 2), "tokens": transfer.tokens,
                                        "tokens_per_s": round(transfer.tokens / transfer.seconds, 1)

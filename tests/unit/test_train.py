@@ -94,6 +94,11 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     untrained = json.loads(rd.path("draft", "curves.json").read_text())["val"][0]
     assert untrained["epoch"] == -1 and all(untrained[f"loss_{s}"] > 0 for s in range(k))  # measured, not defaults
     assert result["val_eal"] > result["val_eal_untrained"]
+    # where stage 05's time goes: every part measured, the epochs at least the steps they hold
+    phases = result["phase_seconds"]
+    assert list(phases) == ["check_shards", "build_draft", "loaders", "trainer_init", "untrained_validation",
+                            "epochs", "finalize"] and min(phases.values()) >= 0
+    assert phases["epochs"] >= result["train_seconds"] - 0.05
     curves = json.loads(rd.path("draft", "curves.json").read_text())
     assert [v["epoch"] for v in curves["val"]] == [-1, 0, 1]
     step = curves["steps"][-1]
