@@ -261,7 +261,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
         asked = store.methods[f"eagle3 benchmark {name}"]["value"]
         atomic.write_text(workdir / f"bench_{name}.jsonl",  # the conversations asked, the server's answers in them
                           "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in asked["asked"]))
-        result["benchmark_rows"][name] = benchmark_rows(name, asked, k, inp.benchmark_info.get(name, {}), len(items))
+        result["benchmark_rows"][name] = benchmark_rows(asked, k, inp.benchmark_info.get(name, {}), len(items))
     result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if n.startswith("eagle3 benchmark")}
     store.clear()  # every level is in the result now
     return result
@@ -302,7 +302,7 @@ def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens
     return {"asked": asked, "groups": groups}
 
 
-def benchmark_rows(name: str, asked: dict[str, Any], k: int, info: dict[str, Any], questions: int) -> dict[str, Any]:
+def benchmark_rows(asked: dict[str, Any], k: int, info: dict[str, Any], questions: int) -> dict[str, Any]:
     """`ask_on_server`'s groups as results["tau_by_benchmark"][name] rows of the SERVE method: the whole benchmark,
     by category and by turn (the shape `benchmarks.group` gives the embedded and offline rows)."""
     from eagle3lib.evaluate.keys import SERVE
@@ -326,6 +326,8 @@ def benchmark_rows(name: str, asked: dict[str, Any], k: int, info: dict[str, Any
 def add_benchmark_rows(results: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
     """Each benchmark's SERVE rows into results["tau_by_benchmark"], beside the embedded/offline rows a `measure`
     of the same items wrote (same categories and turns), or as the benchmark's only rows."""
+    if not rows:
+        return
     benches = results.setdefault("tau_by_benchmark", {})
     for name, new in rows.items():
         old = benches.get(name)
