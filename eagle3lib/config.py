@@ -238,6 +238,11 @@ class TrainSection(Section):
     scheduler: Literal["constant", "linear", "cosine"] = Field("cosine", description="Learning-rate schedule.")
     warmup_steps: int = Field(0, description="Linear warm-up steps.")
     epochs: int = Field(3, description="Passes over the training set.")
+    train_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="The share of stage 02's training rows stage 05 trains on: the first "
+        "ceil(share x rows) of them (stage 02 shuffled them, so the share is a random draw, and a smaller share is "
+        "inside every larger one); validation rows unchanged. A data-volume curve from one extraction: forks of the "
+        "run at 0.25, 0.5, 1.0.")
     max_steps: int | None = Field(None, description="Stop after this many optimizer steps (None = epochs decide).")
     packing_length: int = Field(2048, description="Tokens per packed training sequence.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")

@@ -18,6 +18,10 @@
 #               generator benchmark, then the small run trained as configured | GPU 1: vLLM prefill vs the
 #               workbook's native and worker strategies (issue 5), then the small run trained with AB_PARAMS; both
 #               arms evaluated embedded (A/B, issue 12)
+#   curve       GPU 0: $CONFIG's stages 00-04 (unless there), then stage 05 on forks of that run (hard links: no bytes
+#               copied) at train.train_fraction = each of CURVE (default "0.25 0.5 1"): validation EAL vs training
+#               rows and tokens from one extraction (each fork's draft/result.json: train_rows, train_tokens, val_eal;
+#               the data-volume curve of issues 21 and 26). The 1.5B: ~600 s of stages 00-04, then ~175/220/315 s
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
 #               when missing), then extraction 1 vs 2 GPUs on disk and in /dev/shm (issue 10)
 # Measured 2026-11-29 on x2: copy + install ~3 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0);
@@ -46,7 +50,7 @@ RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
 # the runs' small files: reports, manifests, curves, figures, eval results (no tensors, no checkpoints)
 pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
-  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b 2>/dev/null; }
+  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -82,7 +86,8 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q\n' "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" > "$RES/plan.env"
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q\n' "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" \
+    "${EAGLE1_LAYER:-29}" "${CURVE:-0.25 0.5 1}" > "$RES/plan.env"
   setsid nohup bash benchmarks/device/session.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
   sleep 20; cat "$RES/plan.log"
   ;;
@@ -119,6 +124,14 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
         run_on "$g1" eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[${EAGLE1_LAYER:-29}]" -p "evaluate.methods=[offline, embedded, vllm]" &
         wait
       fi
+      ;;
+    curve)
+      has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 curve_base --run "$RUN" --stages 00-04; }
+      for f in ${CURVE:-0.25 0.5 1}; do
+        step "stage 05 at train.train_fraction=$f"
+        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-f$f')"
+        run_on 0 "curve_$f" --run "$RUN-f$f" --stages 05 -p "train.train_fraction=$f"
+      done
       ;;
     benchmarks)
       step "small run, generator settings, arm a (GPU 0) | vLLM prefill/native/worker, arm b: $AB_PARAMS (GPU $g1)"

@@ -9,6 +9,7 @@ states from the target instead of from shards; the rest of the path is the same.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +89,14 @@ def fp8_aware_transfer(hidden_states_dir, dtype: torch.dtype):
     return FP8Transfer(Path(hidden_states_dir), dequantize_dtype=dtype)
 
 
+def keep_first(ds: Any, n: int) -> None:
+    """A speculators ArrowDataset cut to its first n rows (`train.train_fraction`): the rows, and the lengths its
+    packing sampler reads, which its constructor computed from all of them. Row i still maps to file i
+    (`_map_to_file_idx` adds the split's start, 0 for the training split)."""
+    ds.data = ds.data.select(range(n))
+    ds.approx_lengths = ds._compute_approx_lengths()
+
+
 def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0, transfer: Any = None):
     """speculators' ArrowDataset + packing sampler + collate (its data path), in our DataLoader (token counting;
     pinned memory only where there is a GPU to copy to). `transfer`: an `online.OnlineTransfer` (online mode: the
@@ -117,6 +126,8 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
                           model=str(inp.verifier_dir), transfer=transfer)
         if ds.data.format.get("type") != "torch":  # speculators compares rows with torch.equal: needs tensors
             ds.data = ds.data.with_format("torch")
+        if split == "train" and tcfg.train_fraction < 1.0:
+            keep_first(ds, math.ceil(tcfg.train_fraction * len(ds)))
         sampler = MultipackDistributedBatchSamplerV2(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,
                                                      num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed)
         if len(sampler) == 0:  # else a later, vaguer failure (or a rank waiting forever for the others)

@@ -118,6 +118,8 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
         result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, recorder.tokens,
                          elapsed, tcfg.ttt_steps)
         result["hidden_states"] = tcfg.hidden_states
+        # what the draft saw (a data-volume curve's x: train.train_fraction of stage 02's rows)
+        result.update(train_rows=len(train_loader.dataset), train_tokens=recorder.tokens)
         lap("finalize")
         result["phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
         if transfer is not None:  # the target's share of the time (train and validation batches, this process)

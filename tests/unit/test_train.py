@@ -151,6 +151,29 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     assert train.reload_checkpoint(moved / "draft" / "checkpoints" / "2") is not None
 
 
+def test_train_fraction_trains_on_the_first_share_of_the_rows(trained_run, tmp_path):
+    """train.train_fraction: stage 05 trains on the first half of stage 02's training rows (a data-volume curve's
+    point from the same extraction), validates on all the validation rows, and says so in result.json."""
+    from datasets import load_from_disk
+
+    from eagle3lib.rundir import fork_run
+
+    cfg, rd, full = trained_run
+    n_train = rd.read_manifest("02")["metrics"]["train_rows"]
+    half_cfg = with_train(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "half"})}),
+                          train_fraction=0.5)
+    half_rd = RunDir(fork_run(rd.root, rd.root.parent / "half"), half_cfg)
+    half = train.train(half_rd, progress=False)
+    assert full["train_rows"] == n_train and half["train_rows"] == -(-n_train // 2)
+    lengths = list(load_from_disk(str(rd.output("02", "dataset"))).with_format(None)["seq_len"])
+    # every row once per epoch, each less the one token the shift to next-token targets drops
+    assert full["train_tokens"] == cfg.train.epochs * sum(n - 1 for n in lengths[:n_train])
+    assert half["train_tokens"] == cfg.train.epochs * sum(n - 1 for n in lengths[:half["train_rows"]])
+    # the same validation rows: the untrained draft (same seed) scores the same on them in both runs
+    untrained = [json.loads(r.path("draft", "curves.json").read_text())["val"][0] for r in (rd, half_rd)]
+    assert untrained[0]["epoch"] == untrained[1]["epoch"] == -1 and untrained[0]["loss"] == untrained[1]["loss"]
+
+
 def test_torchrun_accepts_the_multi_gpu_command():
     """The command notebook 05 and the README give for several GPUs, through the real torchrun launcher, ends in our
     own argument parser. (`--run` did not: torchrun rejects it as an ambiguous prefix of its --run-path, which a GPU
