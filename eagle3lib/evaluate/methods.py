@@ -20,7 +20,8 @@ for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step co
 
 `measure` runs the configured ones and writes eval/results.json, keeping each finished method in eval/partial.json
 until all are done (`FinishedMethods`); its rows are named in `keys`. The `evaluate.benchmarks` are measured the same
-way by the embedded and offline methods (`measure_benchmark`; prompts and grouping in `benchmarks`).
+way by the embedded and offline methods (`measure_benchmark`; prompts and grouping in `benchmarks`), and by the
+serve step's server (`serve.ask_on_server`).
 """
 
 from __future__ import annotations
