@@ -174,7 +174,7 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
 
 
 def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str, device: str,
-              fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]] | None = None,
+              fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
               progress: bool = True) -> dict[str, Any]:
     """The serve method (see the module docstring): both servers, every level, the outputs compared, and each
     benchmark's items asked of the draft's server (`ask_on_server`; result["benchmark_rows"])."""
@@ -198,7 +198,6 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     workdir.mkdir(parents=True, exist_ok=True)
     prompts_file = workdir / "prompts.jsonl"
     exact = write_prompts(tok, prompts, prompts_file)
-    bench_items = bench_items or {}
     max_len = max([vllm_job(inp, prompts, max_tokens, dname)["max_model_len"],
                    *(longest_conversation(tok, items, max_tokens) for items in bench_items.values())])
     common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,

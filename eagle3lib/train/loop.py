@@ -72,12 +72,13 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
     took 336 s around a 190 s loop, session 8: where the rest goes is measured, not guessed)."""
     from speculators.train.trainer import Trainer
 
-    mark = [time.perf_counter()]
+    mark = time.perf_counter()
 
     def lap(name: str) -> None:
+        nonlocal mark
         now = time.perf_counter()
-        phases[name] = phases.get(name, 0.0) + now - mark[0]
-        mark[0] = now
+        phases[name] = phases.get(name, 0.0) + now - mark
+        mark = now
 
     save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
 
