@@ -31,6 +31,8 @@
 # a warm call carrying a 60 MB chunk costs ~7 s of device time (the first ~35 s, the machine's start), so its 21
 # chunks took 4.5 min with the install (73 s); the target's conversion 56 s; stages 00-05 then 15.6 min, and the
 # budget ended inside stage 06. Plan a 1.5B session as: ~6 min to get ready, <= 22 min of recipe.
+# Measured 2026-12-01 (session 9), the same: ready after 338 s (20 copies + install 81 s), the recipe's 00-06 in
+# 1,043 s (convert 52 s), then `launch` with STEPS=curve CURVE="0.25 0.5" (the recipe's run kept) in 306 s: 1,750 s.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}

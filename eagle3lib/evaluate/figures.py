@@ -1,4 +1,4 @@
-"""Stage 06's four figures (five with `evaluate.benchmarks`), drawn from the results `methods.measure` wrote
+"""Stage 06's figures (up to four, one more with `evaluate.benchmarks`, one more with the serve step), drawn from the results `methods.measure` wrote
 (figures/06_*.png).
 
 Why from the results only: the same dict is eval/results.json, so a figure can be redrawn from a finished run
@@ -106,17 +106,34 @@ def plot_tau_by_benchmark(results: dict[str, Any], path: Path):
                            "tau (tokens per target forward)")
 
 
-FIGURES = (("per_position", plot_per_position), ("accepted_lengths", plot_length_histogram),
-           ("tau_vs_k", plot_tau_vs_k), ("speedup", plot_speedup))
+def _has_rows(results: dict[str, Any]) -> bool:
+    return any(results.get("by_method", {}).values())
+
+
+def _has_sweep(results: dict[str, Any]) -> bool:  # evaluate.sweep_k measured by an offline or embedded method
+    return any(results.get("sweep", {}).values())
+
+
+def _has_speed(results: dict[str, Any]) -> bool:  # a live method timed with and without the draft
+    return any((results.get(name) or {}).get("baseline_tokens_per_s") for name in LIVE)
+
+
+# each figure, drawn only when its numbers exist (`evaluate.methods: [serve]` alone has no sweep and no batch speed)
+FIGURES = (("per_position", plot_per_position, _has_rows), ("accepted_lengths", plot_length_histogram, _has_rows),
+           ("tau_vs_k", plot_tau_vs_k, _has_sweep), ("speedup", plot_speedup, _has_speed))
 
 
 def draw_figures(stage: StageRun, results: dict[str, Any]) -> dict[str, Any]:
-    """The four figures (PNG in the run's figures/), τ by benchmark when there are any, and the serving speedup
-    when the serve step ran; returns {name: (path, fig)}."""
+    """The figures whose numbers the results hold (PNG in the run's figures/; an earlier attempt's figure that this
+    one has no numbers for is removed, so the report card shows none), τ by benchmark when there are any, and the
+    serving speedup when the serve step ran; returns {name: (path, fig)}."""
     out = {}
-    for name, fn in FIGURES:
+    for name, fn, has_numbers in FIGURES:
         path = stage.rd.figure_path("06", name)
-        out[name] = (path, fn(results, path))
+        if has_numbers(results):
+            out[name] = (path, fn(results, path))
+        else:
+            path.unlink(missing_ok=True)
     if results.get("tau_by_benchmark"):  # evaluate.benchmarks
         path = stage.rd.figure_path("06", "tau_by_benchmark")
         out["tau_by_benchmark"] = (path, plot_tau_by_benchmark(results, path))

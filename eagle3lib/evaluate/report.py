@@ -177,6 +177,14 @@ def curves_summary(path: Path) -> list[str]:
     return lines
 
 
+def _shard_format(m02: dict[str, Any]) -> str:
+    """How stage 02 stored the states: FP8 shards hold e4m3 values and a scale per token whatever the target's
+    dtype (docs/engines.md#fp8-hidden-state-shards); bf16 shards hold the target's dtype."""
+    if m02.get("fp8_shards"):
+        return f"FP8 e4m3 + a float32 scale per token, from {m02.get('dtype')}"
+    return str(m02.get("dtype"))
+
+
 def _probe_line(rd: RunDir) -> str:
     """Stage 02's capture probe in one line (eagle3lib.extract.probe: capture_probe.json at the run root)."""
     from eagle3lib.extract.probe import read_report, summary_line
@@ -220,7 +228,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
             ["conversations (train rows / validation rows)",
              f"{_fmt(m02.get('samples'))} ({_fmt(m02.get('train_rows'))} / {_fmt(m02.get('val_rows'))})"],
             ["tokens captured", m02.get("tokens")],
-            ["hidden states on disk", f"{m02['bytes'] / 2**20:,.1f} MiB ({m02.get('dtype')})"
+            ["hidden states on disk", f"{m02['bytes'] / 2**20:,.1f} MiB ({_shard_format(m02)})"
                 if isinstance(m02.get("bytes"), int | float) else None],
             ["extraction throughput (tokens/s)", m02.get("tokens_per_s")],
             ["capture probe (stage 02, before the first shard)", _probe_line(rd)]]

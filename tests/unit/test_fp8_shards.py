@@ -51,10 +51,13 @@ def test_stage_03_validates_and_stage_05_trains_on_fp8_shards(tmp_path, tiny_lla
     """The same states (same seed) in bf16 and in FP8: stage 03 passes both with near-equal statistics; stage 05
     trains on both through speculators' data path and reaches about the same validation acceptance."""
     from eagle3lib import verifier
+    from eagle3lib.evaluate.report import build_report
 
     results = {}
     for fp8 in (False, True):
         cfg, rd = make_tiny_run(tmp_path / str(fp8), tiny_llama_dir, fp8=fp8)
+        disk = next(row for row in build_report(rd).splitlines() if row.startswith("| hidden states on disk"))
+        assert ("FP8 e4m3" in disk) == fp8, disk  # the report card names the format the shards are stored in
         stage03 = StageRun(get_stage("03"), cfg, rd)
         res03 = inspect_tensors.run(stage03)  # raises on any invalid shard
         assert res03.metrics["invalid"] == 0 and res03.metrics["shards"] == 16

@@ -240,6 +240,8 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     p1, p2 = server_cmdline.index("--port"), ran_argv.index("--port")
     assert server_cmdline[:p1 + 1] + server_cmdline[p1 + 2:] == ran_argv[:p2 + 1] + ran_argv[p2 + 2:]
     assert "| concurrency |" in report and stage.rd.figure_path("06", "serve_speedup").stat().st_size > 1000
+    # only the server measured: no k sweep and no batch speed, so no empty figure of them
+    assert not stage.rd.figure_path("06", "tau_vs_k").exists() and not stage.rd.figure_path("06", "speedup").exists()
     # MT-Bench asked of the draft's server (no transformers target: only 'serve' is configured), turn 2 after the
     # server's own answer to turn 1; its counters per category and turn add up to the whole benchmark's
     mt = result.results["tau_by_benchmark"]["mt_bench"]

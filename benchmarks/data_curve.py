@@ -1,0 +1,89 @@
+"""Benchmark (not a test): the data-volume curve of one extraction (issues 21 and 26). What is the next doubling of
+training data worth?
+
+`benchmarks/device/session.sh STEPS=curve` (or by hand: `rundir.fork_run` + `eagle3 run --stages 05 -p
+train.train_fraction=F`) trains stage 05 again on forks of one run, each on the first share F of stage 02's shuffled
+training rows, with the same validation rows and the same epochs (so fewer optimizer steps on less data: the curve
+is what a user gets from F of the data with this recipe, not data at a fixed step count). This script reads each
+fork's draft/result.json (train_rows, train_tokens, val_eal, per-position acceptance) and writes one JSON and one
+figure: validation EAL (and each position's acceptance) against training tokens per epoch, log2 axis.
+
+    python benchmarks/data_curve.py outputs/RUN-f0.25 outputs/RUN-f0.5 outputs/RUN \
+        --out benchmarks/results/data_curve_qwen15_h200.json --note "what ran, where, at which commit"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def point(run_dir: Path) -> dict:
+    """One fork's figures from its draft/result.json (and its config's train_fraction)."""
+    import yaml
+
+    res = json.loads((run_dir / "draft" / "result.json").read_text())
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    epochs = res.get("epochs_done") or 1
+    return {"run": run_dir.name, "train_fraction": (cfg.get("train") or {}).get("train_fraction", 1.0),
+            "train_rows": res["train_rows"], "tokens_per_epoch": round(res["train_tokens"] / epochs),
+            "tokens_seen": res["train_tokens"], "epochs": epochs, "optimizer_steps": res["global_step"],
+            "val_eal": round(res["val_eal"], 4), "val_full_acc": [round(a, 4) for a in res["val_full_acc"]],
+            "train_eal": round(res["train_eal"], 4), "train_seconds": res.get("train_seconds"),
+            "phase_seconds": res.get("phase_seconds")}
+
+
+def per_doubling(points: list[dict]) -> list[dict]:
+    """Validation EAL gained per doubling of the training tokens, between neighbouring points."""
+    out = []
+    for a, b in zip(points, points[1:], strict=False):
+        doublings = math.log2(b["tokens_per_epoch"] / a["tokens_per_epoch"])
+        out.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3),
+                    "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4)})
+    return out
+
+
+def plot(points: list[dict], path: Path, title: str) -> None:
+    from eagle3lib.plots import figure, save_show
+
+    fig, axes = figure(1, 2, figsize=(11, 4))
+    xs = [p["tokens_per_epoch"] / 1e6 for p in points]
+    axes[0].plot(xs, [p["val_eal"] for p in points], "o-", color="C3", label="validation EAL")
+    axes[0].plot(xs, [p["train_eal"] for p in points], "s--", color="C0", alpha=0.6, label="train EAL (last epoch)")
+    for p, x in zip(points, xs, strict=True):
+        axes[0].annotate(f"{p['val_eal']:.2f}", (x, p["val_eal"]), textcoords="offset points", xytext=(0, 6),
+                         ha="center", fontsize=8)
+    axes[0].set_title("expected acceptance length vs training data", fontsize=10)
+    for s in range(len(points[0]["val_full_acc"])):
+        axes[1].plot(xs, [p["val_full_acc"][s] for p in points], "o-", color=f"C{s}", label=f"position {s + 1}")
+    axes[1].set_title("validation acceptance per draft position", fontsize=10)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("training tokens per epoch (millions, log2)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    save_show(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="run folders with draft/result.json (any order)")
+    ap.add_argument("--out", type=Path, required=True, help="JSON to write; the figure goes beside it (.png)")
+    ap.add_argument("--note", default="", help="what ran, on which machine, at which commit")
+    args = ap.parse_args()
+    points = sorted((point(r) for r in args.runs), key=lambda p: p["tokens_per_epoch"])
+    out = {"note": args.note, "points": points, "per_doubling": per_doubling(points)}
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    plot(points, args.out.with_suffix(".png"), f"data-volume curve: {', '.join(p['run'] for p in points)}")
+    print(json.dumps(out["per_doubling"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
