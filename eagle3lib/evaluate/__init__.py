@@ -56,7 +56,7 @@ class EvaluateResult(StageResult):
 
 def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
     """Stage 06's manifest metrics: k, prompts, tau by method, speed ratio and identical outputs of the live ones,
-    the serving speedup by concurrency."""
+    the serving speedup and the draft's step cost (the τ it needs to pay) by concurrency."""
     m: dict[str, Any] = {"k": results["k"], "prompts": results["prompts"],
                          "tau": {name: a["tau"] for name, a in results["by_method"].items()}}
     for name in LIVE:
@@ -69,6 +69,7 @@ def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
     serve = results.get("serve")
     if serve:
         m.update(serve_speedup_by_concurrency=serve["speedup_by_concurrency"],
+                 serve_step_cost_by_concurrency=serve.get("step_cost_by_concurrency"),
                  serve_falls_below_1_at=serve["falls_below_1_at"], serve_tau=serve["acceptance"].get("tau"),
                  serve_identical=f"{serve['identical']}/{serve['prompts']}")
     return m

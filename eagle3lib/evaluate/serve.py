@@ -13,7 +13,8 @@ transformers target. Last, the draft's server asks every `evaluate.benchmarks` i
 only 'serve' configured, `methods.measure` leaves the benchmarks to this step and loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
-helps). Each finished level (and each server's outputs) is kept in eval/serve/partial.json, so a rerun after a
+helps); the step cost (`step_cost`) = what a step with the draft costs against a plain one there, which is also the
+τ from which the draft pays at that load. Each finished level (and each server's outputs) is kept in eval/serve/partial.json, so a rerun after a
 failure or an interrupt starts only the servers it still needs (removed once the sweep is complete).
 
 Its own step of stage 06, after `methods.measure` (`sweep(stage, results)`; `evaluate.run` and notebook 06 call
@@ -130,6 +131,17 @@ def longest_conversation(tok: Any, items: list[dict[str, Any]], max_tokens: int)
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a and b else None
+
+
+def step_cost(spec: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """What one step with the draft costs against a plain step at the same load: the draft's time per output token
+    × the tokens each of its steps yields, ÷ the baseline's time per output token (one token per step). The TPOT
+    speedup is then tokens per step ÷ this cost, so this cost is also the τ at which the draft starts to pay, and
+    twice it the τ a ×2 needs, at this load (docs/engines.md#when-a-draft-pays). Approximate: TPOT leaves out the
+    first token, and a level's tokens per step come from all its requests together."""
+    tps = (spec.get("acceptance") or {}).get("tokens_per_step")
+    st, bt = (spec.get("tpot_ms") or {}).get("mean"), (base.get("tpot_ms") or {}).get("mean")
+    return round(st * tps / bt, 4) if st and tps and bt else None
 
 
 def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[str, Any]:
@@ -387,6 +399,7 @@ def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], 
             "eagle3": spec, "baseline": base,
             "output_tok_s_ratio": ratio(spec["output_throughput"], base["output_throughput"]),
             "tpot_ratio": ratio(base["tpot_ms"]["mean"], spec["tpot_ms"]["mean"]),
+            "step_cost": step_cost(spec, base),
             "tau": (spec.get("acceptance") or {}).get("tau"),
             "identical_texts": _identical_texts(spec["result_file"], base["result_file"]),
         }
@@ -398,6 +411,7 @@ def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], 
     return {"k": k, "concurrency": levels, "requests": {str(c): n for c, n in n_req.items()}, "prompts": len(prompts),
             "by_level": by_level, "speedup_by_concurrency": speedup,
             "tpot_speedup_by_concurrency": {c: r["tpot_ratio"] for c, r in by_level.items()},
+            "step_cost_by_concurrency": {c: r["step_cost"] for c, r in by_level.items()},
             "speedup_at_lowest": speedup[str(levels[0])], "lowest_concurrency": levels[0],
             "falls_below_1_at": below, "acceptance": acceptance,
             "identical": count_identical(spec_out, base_out),

@@ -46,6 +46,11 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
            f"**{_x(serve.get('speedup_at_lowest'))}** output tokens/s, **{_x(tpot)}** time per output token · "
            f"the speedup {where} · {serve.get('identical')}/{serve.get('prompts')} greedy outputs identical with and "
            "without the draft", ""]
+    cost = (serve.get("step_cost_by_concurrency") or {}).get(str(low))
+    if isinstance(cost, int | float):
+        out += [f"At concurrency {low} a step with the draft costs **{_x(cost)}** a plain step (its time per output "
+                f"token × the tokens each step yields): the draft pays from τ ≈ {cost:.2f}, and ×2 needs τ ≈ "
+                f"{2 * cost:.2f} (docs/engines.md#when-a-draft-pays; every level in the serving table).", ""]
     cmd = serve.get("command") or {}
     out += ["Serve this draft (the command this stage ran):", "", "```bash", cmd.get("upstream", ""), "```", ""]
     if cmd.get("via_workbook_entry_point"):
@@ -75,9 +80,9 @@ def section(serve: dict[str, Any] | None) -> list[str]:
                      f"{_ms(b.get('ttft_ms'), 'p50')} → {_ms(s.get('ttft_ms'), 'p50')}",
                      f"{_ms(b.get('itl_ms'), 'p99')} → {_ms(s.get('itl_ms'), 'p99')}",
                      f"{lv['tau']:.2f}" if isinstance(lv.get("tau"), int | float) else "—",
-                     lv.get("identical_texts") or "—"])
+                     _x(lv.get("step_cost")), lv.get("identical_texts") or "—"])
     header = ["concurrency", "output tok/s (without → with)", "speedup", "TPOT ms mean", "TPOT speedup",
-              "TTFT ms p50", "ITL ms p99", "τ", "same text"]
+              "TTFT ms p50", "ITL ms p99", "τ", "step cost", "same text"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
     req = serve.get("requests") or {}
@@ -86,7 +91,9 @@ def section(serve: dict[str, Any] | None) -> list[str]:
            f"up to {serve.get('max_tokens')} tokens, ending at EOS), {', '.join(f'{n} requests at {c}' for c, n in req.items())} "
            "in flight; each level starts with an empty prefix cache. Speedup = output tokens/s with ÷ without the "
            "draft; TPOT speedup = time per output token without ÷ with. ITL is per streamed chunk, and with the "
-           "draft a chunk carries every token a step accepted. τ from the server's /metrics counters at that level.",
+           "draft a chunk carries every token a step accepted. τ from the server's /metrics counters at that level. "
+           "Step cost = a step with the draft against a plain one (TPOT with × tokens per step ÷ TPOT without): the "
+           "τ at which the draft breaks even at that load.",
            "", "\n".join(lines), ""]
     differ = (serve.get("prompts") or 0) - (serve.get("identical") or 0)
     if differ:
@@ -123,7 +130,11 @@ def plot(results: dict[str, Any], path: Path):
     ax.set_title(f"vllm serve, k={serve['k']}" + (" (demo scale: CPU)" if serve.get("device") == "cpu" else ""))
     ax.legend(fontsize=8)
     taus = [serve["by_level"][str(c)]["tau"] or 0 for c in levels]
-    ax_tau.bar([str(c) for c in levels], taus, color="tab:green")
+    ax_tau.bar([str(c) for c in levels], taus, color="tab:green", label="τ")
+    costs = [serve["by_level"][str(c)].get("step_cost") for c in levels]
+    if any(costs):  # the τ each level needs before the draft pays (the step cost), beside the τ it got
+        ax_tau.plot([str(c) for c, v in zip(levels, costs, strict=True) if v], [v for v in costs if v], "D",
+                    color="tab:red", label="τ to break even")
     ax_tau.axhline(serve["k"] + 1, ls=":", color="grey", label="ideal (all accepted)")
     ax_tau.set_xlabel("concurrency")
     ax_tau.set_ylabel("τ (server counters)")

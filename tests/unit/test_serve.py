@@ -219,6 +219,9 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         assert lv["baseline"]["acceptance"] is None  # no draft, no spec-decode counters on /metrics
         assert lv["output_tok_s_ratio"] == pytest.approx(
             lv["eagle3"]["output_throughput"] / lv["baseline"]["output_throughput"], rel=1e-3)
+        # the step cost: TPOT with x tokens per step / TPOT without, so the TPOT speedup = tokens per step / cost
+        assert 1.0 <= acc["tokens_per_step"] <= 4.0 and lv["step_cost"] > 0
+        assert lv["tpot_ratio"] == pytest.approx(acc["tokens_per_step"] / lv["step_cost"], rel=1e-2)
     assert set(srv["speedup_by_concurrency"]) == {"1", "4"}
     # greedy in float32: the draft changes nothing a client receives
     assert srv["identical"] == srv["prompts"] == 4 and srv["differ_otherwise"] == 0
@@ -227,6 +230,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     opening = report.split("## Target and data")[0]
     assert "## Serving this draft" in opening and "speedup at concurrency 1" in opening and "τ" in opening
     assert "Demo-scale run" in opening and "benchmarks/results/" in opening
+    assert f"the draft pays from τ ≈ {srv['step_cost_by_concurrency']['1']:.2f}" in opening
     assert ("falls below ×1.0 at concurrency" in opening) == (srv["falls_below_1_at"] is not None)
     upstream, ran = _code_blocks(opening)[:2]
     ran_argv = srv["command"]["argv"]
