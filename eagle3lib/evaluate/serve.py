@@ -13,9 +13,10 @@ transformers target. Last, the draft's server asks every `evaluate.benchmarks` i
 only 'serve' configured, `methods.measure` leaves the benchmarks to this step and loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
-helps); the step cost (`step_cost`) = what a step with the draft costs against a plain one there, which is also the
-τ from which the draft pays at that load. Each finished level (and each server's outputs) is kept in eval/serve/partial.json, so a rerun after a
-failure or an interrupt starts only the servers it still needs (removed once the sweep is complete).
+helps); the step cost (`step_cost`) = what a step with the draft costs against a plain one there, which is also
+the τ from which the draft pays at that load. Each finished level (and each server's outputs) is kept in
+eval/serve/partial.json, so a rerun after a failure or an interrupt starts only the servers it still needs (removed
+once the sweep is complete).
 
 Its own step of stage 06, after `methods.measure` (`sweep(stage, results)`; `evaluate.run` and notebook 06 call
 it): it keeps its finished levels itself, and its table deserves its own notebook cell.

