@@ -13,7 +13,7 @@ from pathlib import Path
 
 from eagle3lib.config import REPO_ROOT, load_run_config, resolve_config_path, run_overrides
 from eagle3lib.errors import StageFailed, WorkbookError
-from eagle3lib.rundir import RunDir
+from eagle3lib.rundir import RunDir, cache_root
 from eagle3lib.stages import Stage, parse_selection
 from eagle3lib.target import check_tokenizer, resolve_target
 
@@ -21,8 +21,11 @@ KERNEL = "python3"  # the kernel of the interpreter that runs papermill: the wor
 
 
 def run_environment(rd: RunDir) -> dict[str, str]:
-    """Keep every cache and socket a run makes inside folders the run owns (vLLM, IPython, HF, temp files)."""
-    cache = rd.path(".cache")
+    """Keep every cache and socket a run makes inside folders the run owns (vLLM, IPython, HF, temp files): the
+    run's one cache folder (`rundir.cache_root`), where stage 02's engines, stage 06's servers and their children
+    find what another built. (A second folder here once kept the kernels' vLLM cache apart from the servers': on the
+    H200 the draft's server then inspected the target's model class again, 17 s, and compiled without a cache.)"""
+    cache = cache_root(rd.cfg)
     env = {
         "IPYTHONDIR": str(cache / "ipython"),
         "VLLM_CACHE_ROOT": str(cache / "vllm"),

@@ -47,6 +47,9 @@ def test_every_built_stage_ran_and_recorded_its_manifest(pipeline_run):
         m = manifest(pipeline_run, stage.key)
         assert m["stage"] == stage.key and m["seconds"] >= 0
         assert (pipeline_run / "notebooks" / stage.notebook.name).is_file()
+    # the kernels' caches live in the run's one cache folder (rundir.cache_root), the one vLLM's engines and
+    # servers share: not in a second one (which once made the H200's servers inspect and compile again)
+    assert (pipeline_run / "cache" / "ipython").is_dir() and not (pipeline_run / ".cache").exists()
 
 
 def test_dataset_is_what_speculators_trains_on(pipeline_run):
