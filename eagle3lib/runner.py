@@ -24,7 +24,7 @@ def run_environment(rd: RunDir) -> dict[str, str]:
     """Keep every cache and socket a run makes inside folders the run owns (vLLM, IPython, HF, temp files): the
     run's one cache folder (`rundir.cache_root`), where stage 02's engines, stage 06's servers and their children
     find what another built. (A second folder here once kept the kernels' vLLM cache apart from the servers': on the
-    H200 the draft's server then inspected the target's model class again, 17 s, and compiled without a cache.)"""
+    H200 the draft's server then inspected the target's model class again: 17 s.)"""
     cache = cache_root(rd.cfg)
     env = {
         "IPYTHONDIR": str(cache / "ipython"),
