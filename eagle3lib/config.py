@@ -273,7 +273,8 @@ class EvaluateSection(Section):
     methods: list[Literal["embedded", "vllm", "offline", "ngram", "serve"]] = Field(
         default_factory=lambda: ["offline", "embedded"], description="How acceptance is measured (ngram: vLLM's "
         "n-gram prompt lookup with the same k and no draft, the baseline a trained draft must beat; serve: the real "
-        "`vllm serve` with and without the draft, driven by `vllm bench serve` at each evaluate.serve_concurrency)."
+        "`vllm serve` with and without the draft, driven by `vllm bench serve` at each evaluate.serve_concurrency; "
+        "serve and ngram together: n-gram lookup as a third server in the same sweep, instead of in-process)."
     )
     num_draft_tokens: int = Field(3, description="k: draft tokens per step.")
     sweep_k: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="k values for the tau-vs-k plot.")

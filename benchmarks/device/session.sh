@@ -13,8 +13,9 @@
 #               the 1.5B Qwen; the comparison row of issues 12 and 26); on one
 #               GPU the recipe alone
 #   eagle1      GPU 0: the EAGLE-1-style run alone ($CONFIG with target.layer_ids=[$EAGLE1_LAYER], run $RUN-eagle1,
-#               evaluated as $CONFIG says): on one GPU, the comparison row `recipe` has no room for (the 1.5B's
-#               recipe takes ~1,040 s of a session's ~1,460 after the copies)
+#               evaluated by the serve sweep with n-gram lookup's server as well: evaluate.methods=[serve, ngram]):
+#               on one GPU, the comparison rows `recipe` has no room for (the 1.5B's recipe takes ~1,040 s of a
+#               session's ~1,460 after the copies)
 #   recipe_ab   GPU 0: the recipe | GPU 1: the generator benchmark (benchmarks/generate.py), then the recipe's
 #               stages 02-04 (forked once they exist) trained with AB_PARAMS and evaluated offline + embedded (A/B)
 #   benchmarks  GPU 0: the small run's stages 00-04 (bundled x8 + 4,000 self-instruct prompts, ~5 min), the
@@ -132,7 +133,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       ;;
     eagle1)
       step "EAGLE-1 style (GPU 0): target.layer_ids=[${EAGLE1_LAYER:-29}]"
-      run_on 0 eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[${EAGLE1_LAYER:-29}]"
+      run_on 0 eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[${EAGLE1_LAYER:-29}]" -p "evaluate.methods=[serve, ngram]"
       ;;
     curve)
       has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 curve_base --run "$RUN" --stages 00-04; }

@@ -72,6 +72,8 @@ def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
                  serve_step_cost_by_concurrency=serve.get("step_cost_by_concurrency"),
                  serve_falls_below_1_at=serve["falls_below_1_at"], serve_tau=serve["acceptance"].get("tau"),
                  serve_identical=f"{serve['identical']}/{serve['prompts']}")
+        if serve.get("ngram"):  # the draft-free baseline's server in the same sweep
+            m["serve_ngram_speedup_by_concurrency"] = serve["ngram"]["speedup_by_concurrency"]
     return m
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from eagle3lib import plots
 from eagle3lib.evaluate import serve_report
-from eagle3lib.evaluate.keys import BENCH_PATH, EMBEDDED, HELD_OUT, HELDOUT_PATH, LIVE, SERVE
+from eagle3lib.evaluate.keys import BENCH_PATH, EMBEDDED, HELD_OUT, HELDOUT_PATH, LIVE, NGRAM_SERVE, SERVE
 from eagle3lib.rundir import StageRun
 
 
@@ -91,11 +91,12 @@ def plot_tau_by_benchmark(results: dict[str, Any], path: Path):
     """τ of the held-out split and of each benchmark (and each benchmark category): embedded, the server, offline."""
     fig, ax = plots.figure(figsize=(7, 3.5))
     by = results["by_method"]
-    sets = [(HELD_OUT, {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), BENCH_PATH: by.get(HELDOUT_PATH)})]
+    sets = [(HELD_OUT, {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), NGRAM_SERVE: by.get(NGRAM_SERVE),
+                        BENCH_PATH: by.get(HELDOUT_PATH)})]
     for name, b in results["tau_by_benchmark"].items():
         sets.append((name, b["by_method"]))
         sets += [(f"{name}: {cat}", g["by_method"]) for cat, g in b.get("by_category", {}).items()]
-    methods = [m for m in (EMBEDDED, SERVE, BENCH_PATH) if any(s.get(m) for _, s in sets)]
+    methods = [m for m in (EMBEDDED, SERVE, NGRAM_SERVE, BENCH_PATH) if any(s.get(m) for _, s in sets)]
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(sets))]

@@ -475,7 +475,7 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
         if "embedded_outputs" in results:
             results[VLLM]["identical_to_embedded"] = count_identical(live["baseline_outputs"],
                                                                        results["embedded_outputs"])
-    if "ngram" in cfg.methods:
+    if "ngram" in cfg.methods and "serve" not in cfg.methods:  # with serve, a third server measures it (serve.py)
         ng = done.run("ngram", lambda: run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
                                                  dname), results)
         results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}

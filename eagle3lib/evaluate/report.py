@@ -26,6 +26,7 @@ from eagle3lib.evaluate.keys import (
     HELDOUT_PATH,
     LIVE,
     NGRAM,
+    NGRAM_SERVE,
     OFFLINE_ROWS,
     SERVE,
     VLLM,
@@ -104,7 +105,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-BENCH_METHODS = (EMBEDDED, SERVE, BENCH_PATH, BENCH_ALL)  # the rows a benchmark can have; a table shows those it has
+BENCH_METHODS = (EMBEDDED, SERVE, NGRAM_SERVE, BENCH_PATH, BENCH_ALL)  # the rows a benchmark can have; a table shows those it has
 
 
 def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -116,8 +117,8 @@ def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None
     if not benches:
         return []
     by = results.get("by_method", {})
-    held = {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), BENCH_PATH: by.get(HELDOUT_PATH),
-            BENCH_ALL: by.get(HELDOUT_ALL)}
+    held = {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), NGRAM_SERVE: by.get(NGRAM_SERVE),
+            BENCH_PATH: by.get(HELDOUT_PATH), BENCH_ALL: by.get(HELDOUT_ALL)}
     sets = [(HELD_OUT, results.get("prompts"), results.get("prompts"), (dedup or {}).get("held_out"), held)]
     sets += [(name, b.get("questions"), b.get("prompts"), b.get("dedup_dropped"), b["by_method"])
              for name, b in benches.items()]
@@ -209,7 +210,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         for name in (SERVE, VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
             if name in by:
                 head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
-        ngram = by.get(NGRAM, {})
+        ngram = by.get(NGRAM_SERVE) or by.get(NGRAM) or {}
         if ngram.get("tokens_per_step"):  # its tau counts only the steps where a match was found
             head.append(f"n-gram lookup (no draft): **{ngram['tokens_per_step']:.2f}** tokens per target step")
         for name, what in ((VLLM, "batch throughput ratio (every prompt in one batch, eager)"),
@@ -362,15 +363,40 @@ def _category_lines(roots: list[Path], runs: list[dict[str, Any]]) -> list[str]:
     (_live_tau): where the runs differ by MT-Bench category (coding vs writing) is what one τ per benchmark hides.
     Empty where no run grouped a benchmark by category."""
     cells: dict[tuple[str, str], dict[int, float | None]] = {}
-    for i, r in enumerate(runs):
+    ngram = next((r for r in runs if _ngram_on_server(r)), None)  # the first run whose sweep had n-gram's server
+    for i, r in enumerate(runs + ([ngram] if ngram else [])):
         for name, b in (r.get("tau_by_benchmark") or {}).items():
             for cat, g in (b.get("by_category") or {}).items():
-                cells.setdefault((name, cat), {})[i] = _live_tau(g.get("by_method") or {})[1]
+                by = g.get("by_method") or {}
+                cells.setdefault((name, cat), {})[i] = (by.get(NGRAM_SERVE) or {}).get("tau") if i == len(runs) \
+                    else _live_tau(by)[1]
     if not cells:
         return []
-    rows = [[name, cat] + [taus.get(i) for i in range(len(runs))] for (name, cat), taus in cells.items()]
+    columns = [r.name for r in roots] + ([NGRAM_ROW] if ngram else [])
+    rows = [[name, cat] + [taus.get(i) for i in range(len(columns))] for (name, cat), taus in cells.items()]
     return ["τ by benchmark category (one column per run; rows read as for the benchmark columns):", "",
-            _table(["benchmark", "category", *(r.name for r in roots)], rows)]
+            _table(["benchmark", "category", *columns], rows)]
+
+
+NGRAM_ROW = "vLLM n-gram lookup (no draft)"
+
+
+def _ngram_on_server(results: dict[str, Any]) -> bool:
+    return bool((results.get("by_method") or {}).get(NGRAM_SERVE))
+
+
+def _ngram_row(results: dict[str, Any], benches: list[str], levels: list[int]) -> list[Any]:
+    """vLLM's n-gram lookup as a row of its own, from a run that measured it: as a server of the serve sweep (τ
+    serve, τ per benchmark, the speedup at each level) or in-process (τ vLLM only)."""
+    by = results["by_method"]
+    on_server = _ngram_on_server(results)
+    ng = by[NGRAM_SERVE] if on_server else by[NGRAM]
+    taus = {b: ((g.get("by_method") or {}).get(NGRAM_SERVE) or {}).get("tau")
+            for b, g in (results.get("tau_by_benchmark") or {}).items()}
+    speedup = ((results.get("serve") or {}).get("ngram") or {}).get("speedup_by_concurrency") or {}
+    return [NGRAM_ROW, None, None, None, None if on_server else ng["tau"], ng["tau"] if on_server else None,
+            *(taus.get(b) for b in benches), ng.get("tokens_per_step"), per_position(ng),
+            *(speedup.get(str(c)) for c in levels), None, None]
 
 
 def compare_runs(roots: list[Path]) -> str:
@@ -400,10 +426,8 @@ def compare_runs(roots: list[Path]) -> str:
                      round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None])
         if read := _rows_used(results):
             used.append(f"{root.name}: {' + '.join(read)}")
-        if ngram is None and NGRAM in by:
-            ng = by[NGRAM]
-            ngram = ["vLLM n-gram lookup (no draft)", None, None, None, ng["tau"], None, *(None for _ in benches),
-                     ng.get("tokens_per_step"), per_position(ng), *(None for _ in levels), None, None]
+        if ngram is None and (_ngram_on_server(results) or by.get(NGRAM)):
+            ngram = _ngram_row(results, benches, levels)
     header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "τ serve", *(f"τ {b}" for b in benches),
               "tokens per step", "per position", *(f"×c={c}" for c in levels), "train s", "stages s"]
     note = ("τ = 1 + accepted / drafts (over the steps that drafted); τ serve = the real `vllm serve` with the draft, "

@@ -25,6 +25,10 @@ def _ms(d: dict[str, Any] | None, key: str) -> str:
     return f"{v:,.1f}" if isinstance(v, int | float) else "—"
 
 
+def _num(v: float | None) -> str:
+    return f"{v:.2f}" if isinstance(v, int | float) else "—"
+
+
 def is_demo_scale(serve: dict[str, Any]) -> bool:
     return serve.get("device") == "cpu" or (serve.get("prompts") or 0) < DEMO_PROMPTS
 
@@ -51,6 +55,12 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
         out += [f"At concurrency {low} a step with the draft costs **{_x(cost)}** a plain step (its time per output "
                 f"token × the tokens each step yields): the draft pays from τ ≈ {cost:.2f}, and ×2 needs τ ≈ "
                 f"{2 * cost:.2f} (docs/engines.md#when-a-draft-pays; every level in the serving table).", ""]
+    ng = serve.get("ngram")
+    if ng:
+        out += [f"vLLM's n-gram prompt lookup (no draft, the same sweep) at concurrency {low}: "
+                f"**{_x(ng.get('speedup_at_lowest'))}** output tokens/s with "
+                f"{_num((ng.get('acceptance') or {}).get('tokens_per_step'))} tokens per step (the draft: "
+                f"{_x(serve.get('speedup_at_lowest'))} with {_num(acc.get('tokens_per_step'))}).", ""]
     cmd = serve.get("command") or {}
     out += ["Serve this draft (the command this stage ran):", "", "```bash", cmd.get("upstream", ""), "```", ""]
     if cmd.get("via_workbook_entry_point"):
@@ -102,6 +112,21 @@ def section(serve: dict[str, Any] | None) -> list[str]:
                 f"{serve.get('prompts')} identical; of the {differ} that differ, {ties} first differ at a rounding "
                 "tie (both tokens within rounding of the target's top logit)"
                 + ("." if not other else f"; **{other} do not** (see `serve.divergences` in eval/results.json)."), ""]
+    ng = serve.get("ngram")
+    if ng:
+        rows = [[c, f"{lv['baseline'].get('output_throughput') or 0:,.1f} → {lv['ngram'].get('output_throughput') or 0:,.1f}",
+                 _x(lv.get("output_tok_s_ratio")), _x(lv.get("tpot_ratio")),
+                 _num((lv["ngram"].get("acceptance") or {}).get("tokens_per_step")),
+                 _x(lv.get("step_cost"))] for c, lv in (ng.get("by_level") or {}).items()]
+        header = ["concurrency", "output tok/s (without → n-gram)", "speedup", "TPOT speedup", "tokens per step",
+                  "step cost"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+        out += ["vLLM's n-gram prompt lookup instead of the draft (a third server, the same prompts and levels; no "
+                "model to train): the free baseline the draft must beat. Tokens per step, not τ, is its fair "
+                "figure (its τ counts only the steps that found a match).", "", "\n".join(lines), "",
+                f"Greedy outputs with n-gram lookup: {ng.get('identical')}/{ng.get('prompts')} identical to the "
+                f"baseline's ({ng.get('differ_at_a_tie') or 0} of the others first differ at a rounding tie).", ""]
     exact = serve.get("prompt_tokens_exact")
     if exact is not None and exact != serve.get("prompts"):
         out += [f"Only {exact} of {serve.get('prompts')} prompts re-encode to the exact token ids the other methods "
@@ -122,6 +147,10 @@ def plot(results: dict[str, Any], path: Path):
             if y is not None:  # output tok/s above its point, TPOT below: the two often lie close
                 ax.annotate(f"×{y:.2f}", (x, y), textcoords="offset points", ha="center", fontsize=8,
                             xytext=(0, 6 if key == "output_tok_s_ratio" else -12))
+    ng = serve.get("ngram")
+    if ng:
+        ax.plot(levels, [ng["by_level"][str(c)]["output_tok_s_ratio"] for c in levels], ls="--", marker="s",
+                color="tab:grey", label="n-gram lookup, no draft (output tokens/s)")
     ax.axhline(1.0, ls=":", color="grey", label="no speedup")
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])

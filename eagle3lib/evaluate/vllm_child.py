@@ -47,6 +47,13 @@ def _counters(llm: Any) -> dict[str, Any]:
 NGRAM_MAX, NGRAM_MIN = 4, 2  # n-gram lookup window: vLLM's documented example values
 
 
+def ngram_config(k: int) -> dict[str, Any]:
+    """vLLM's speculative_config for n-gram prompt lookup with k tokens: no draft model, the baseline a trained draft
+    must beat (the in-process child and the serve step's n-gram server both use it)."""
+    return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": NGRAM_MAX,
+            "prompt_lookup_min": NGRAM_MIN}
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -62,9 +69,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if method == "eagle3":
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"],
                                         "num_speculative_tokens": int(job["k"])}
-    elif method == "ngram":  # prompt lookup: no draft model, the baseline a trained draft must beat
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(job["k"]),
-                                        "prompt_lookup_max": NGRAM_MAX, "prompt_lookup_min": NGRAM_MIN}
+    elif method == "ngram":
+        kwargs["speculative_config"] = ngram_config(job["k"])
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - t0

@@ -118,7 +118,8 @@ def test_the_server_counters_are_read_as_vllm_writes_them(tmp_path):
 
 def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     """A run folder whose stages 02, 04 and 05 point at SmolLM2, four held-out prompts and `draft_dir` (stage 06's
-    serve step reads nothing else); returns its config file."""
+    serve step reads nothing else), measured by the draft's server, n-gram lookup's and the baseline's; returns its
+    config file."""
     from eagle3lib import atomic
     from eagle3lib.config import load_config
     from eagle3lib.extract import prepare
@@ -126,7 +127,7 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     from eagle3lib.stages import get_stage
 
     cfg = load_config(None, [f"run.output_root={root}", "run.name=serve", f"target.model={target_dir}",
-                             "target.dtype=float32", "evaluate.methods=[serve]", "evaluate.serve_concurrency=[1, 4]",
+                             "target.dtype=float32", "evaluate.methods=[serve, ngram]", "evaluate.serve_concurrency=[1, 4]",
                              "evaluate.serve_requests=4", "evaluate.max_new_tokens=8",
                              "evaluate.benchmarks=[mt_bench]", "evaluate.benchmark_prompts=2"])
     rd = RunDir.create(cfg)
@@ -154,13 +155,14 @@ def _code_blocks(text: str) -> list[str]:
 def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp_path):
     """Stage 06 in a subprocess gets SIGTERM mid-sweep (the draft's server has finished concurrency 1): it stops
     its server, engine and benchmark (no process, no listener left); the rerun keeps that level, starts the draft's
-    server again for concurrency 4 and then the baseline's, and writes the report card, whose serve command is
-    the one that ran."""
+    server again for concurrency 4, then n-gram lookup's and the baseline's, and writes the report card, whose
+    serve command is the one that ran."""
     import psutil
     from test_evaluate import _draft_model
 
     from eagle3lib import evaluate
-    from eagle3lib.evaluate.keys import SERVE
+    from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
+    from eagle3lib.evaluate.report import compare_runs
     from eagle3lib.rundir import open_stage
 
     _draft_model(smollm2_dir, [2, 15, 27], 2048).save_pretrained(str(tmp_path / "draft"))
@@ -223,6 +225,18 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         assert 1.0 <= acc["tokens_per_step"] <= 4.0 and lv["step_cost"] > 0
         assert lv["tpot_ratio"] == pytest.approx(acc["tokens_per_step"] / lv["step_cost"], rel=1e-2)
     assert set(srv["speedup_by_concurrency"]) == {"1", "4"}
+    # n-gram lookup's server, measured at the same levels against the same baseline (no draft model in its command)
+    ng = srv["ngram"]
+    assert set(ng["speedup_by_concurrency"]) == {"1", "4"}
+    for c, lv in ng["by_level"].items():
+        r, b = lv["ngram"], lv["baseline"]
+        assert r["completed"] == 4 and r["failed"] == 0 and b == srv["by_level"][c]["baseline"], (c, r)
+        assert lv["output_tok_s_ratio"] == pytest.approx(r["output_throughput"] / b["output_throughput"], rel=1e-3)
+        assert r["acceptance"]["draft_tokens"] == 3 * r["acceptance"]["drafts"]
+    ng_argv = ng["command"]["argv"]
+    assert json.loads(ng_argv[ng_argv.index("--speculative-config") + 1])["method"] == "ngram"
+    assert ng["identical"] == 4 and ng["differ_otherwise"] == 0  # lossless too
+    assert result.results["by_method"][NGRAM_SERVE] == ng["acceptance"]
     # greedy in float32: the draft changes nothing a client receives
     assert srv["identical"] == srv["prompts"] == 4 and srv["differ_otherwise"] == 0
     # the report card opens with tau, the speedup at concurrency 1, where it falls below 1 and the command
@@ -260,6 +274,15 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         user1, answer, user2 = a["messages"]
         assert (user1["role"], answer["role"], user2["role"]) == ("user", "assistant", "user") and answer["content"]
     assert "| mt_bench | 2 | 4 |" in report and f"τ {SERVE}" in report
+    ng_whole = mt["by_method"][NGRAM_SERVE]  # n-gram lookup's server asked the same turns
+    assert ng_whole["draft_tokens"] == 3 * ng_whole["drafts"] and ng_whole["tokens_per_step"] >= 1.0
+    assert sum(g["by_method"][NGRAM_SERVE]["drafts"] for g in mt["by_category"].values()) == ng_whole["drafts"]
+    assert "n-gram prompt lookup (no draft, the same sweep) at concurrency 1" in opening
+    assert "| concurrency | output tok/s (without → n-gram) |" in report
+    # `eagle3 compare` gives n-gram lookup a row of its own, with its speedup per level from this sweep
+    table = compare_runs([stage.rd.root])
+    ng_row = next(line for line in table.splitlines() if "n-gram lookup" in line)
+    assert "×c=1" in table and f"| {ng['speedup_by_concurrency']['1']:.3f} |" in ng_row
     manifest = json.loads(stage.rd.manifest_path(stage.stage).read_text())
     assert set(manifest["metrics"]["serve_speedup_by_concurrency"]) == {"1", "4"}
     assert manifest["metrics"]["tau_by_benchmark"]["mt_bench"][SERVE] == whole["tau"]
