@@ -37,6 +37,9 @@
 # budget ended inside stage 06. Plan a 1.5B session as: ~6 min to get ready, <= 22 min of recipe.
 # Measured 2026-12-01 (session 9), the same: ready after 338 s (20 copies + install 81 s), the recipe's 00-06 in
 # 1,043 s (convert 52 s), then `launch` with STEPS=curve CURVE="0.25 0.5" (the recipe's run kept) in 306 s: 1,750 s.
+# Measured 2026-12-02 (session 10), STEPS=eagle1 with the 1.5B config (EAGLE1_LAYER=27; three servers in stage 06):
+# a first call that got no machine cost 91 s; then ready after ~310 s, convert 57 s, the run 1,271 s (02 422 on a
+# slower machine, 05 270, 06 456): 1,710 s of 1,800 with 3 polls.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
