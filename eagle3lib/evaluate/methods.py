@@ -14,7 +14,9 @@ for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step co
 - vllm: vLLM in-process with the draft (method eagle3; every prompt in one `generate` batch, eager), its spec-decode
   counters, the batch throughput ratio against the same prompts without the draft (not a serving speedup: that is
   `serve`), and greedy outputs compared between the two (run in a child process, `vllm_child`).
-- ngram: vLLM's n-gram prompt lookup with the same k, no draft at all: the baseline the trained draft must beat.
+- ngram: vLLM's n-gram prompt lookup with the same k, no draft at all: the baseline the trained draft must beat;
+  in-process here, or, with `serve` configured too, as a third server in the serve step's sweep (its speedup at
+  the same loads), and then not here.
 - serve: the real `vllm serve` with and without the draft under `vllm bench serve` at each concurrency level, the
   speedup a deployment sees; its own step after `measure` (`serve.sweep`), since it keeps finished levels itself.
 
