@@ -40,7 +40,7 @@ from eagle3lib.errors import WorkbookError
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.spool_producer import POLL_S, ProducerProcess, read_status, request_path
 
-STALL_S = 1800.0  # the longest the trainer waits for one batch's states from a producer that is alive
+STALL_S = 1800.0  # the longest the trainer waits for one batch's states from a producer that is up (engine started)
 
 
 class Spool:
@@ -143,14 +143,18 @@ class Spool:
 
     def wait_for(self, rows: Sequence[int]) -> None:
         """Until every row's shard is in the folder (the producer writes it under a temporary name and renames it,
-        so a name that exists is a whole file); the producer exiting, or STALL_S without it, raises."""
-        t0 = time.perf_counter()
+        so a name that exists is a whole file). The producer exiting raises at once; a ready producer (its engine
+        started: loading a large target may take longer than STALL_S) that leaves the batch unwritten for STALL_S
+        raises too."""
+        assert self.producer is not None, "the spool's producer was never started"
+        t0 = since = time.perf_counter()
         for r in rows:
             path = shards.shard_path(self.root, r)
             while not path.is_file():
-                assert self.producer is not None, "the spool's producer was never started"
                 self.producer.check()
-                if time.perf_counter() - t0 > STALL_S:
+                if not self.producer.ready():
+                    since = time.perf_counter()
+                elif time.perf_counter() - since > STALL_S:
                     raise WorkbookError(
                         f"the spool producer is alive but wrote no shard of row {r} in {STALL_S:.0f} s; its log: "
                         f"{self.producer.log_path}", "read its log (a hung engine?); rerun to resume")

