@@ -22,7 +22,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The longest files, dealt first. Measured in `make test` on a 2-core box (2026-12-01), seconds per file: before the
 # one-thread rule above, pipeline 725, data 876, evaluate 384, vllm_backends 373, qwen_target 369, serve 312; with
 # it (the whole suite 1,130 s on two workers): vllm_backends 328, pipeline 303, evaluate 303, serve 274,
-# qwen_target 244, data 166, browser 124, foundation 107; spool (run alone) 140. Only the order of the run depends on
+# qwen_target 244, data 166, browser 124, foundation 107; spool (run alone) 175. Only the order of the run depends on
 # this list (a stale entry costs minutes, never a result).
 LONGEST_FIRST = ("e2e/test_pipeline.py", "unit/test_data.py", "unit/test_evaluate.py", "unit/test_vllm_backends.py",
                  "unit/test_serve.py", "e2e/test_qwen_target.py", "unit/test_foundation.py", "unit/test_capture.py",
