@@ -194,9 +194,10 @@ class ExtractSection(Section):
     )
     probe_rows: int = Field(4, ge=1, description="Rows of the dataset the capture probe runs (the longest first).")
     online_sample_rows: int = Field(
-        64, ge=1, description="train.hidden_states: online only: stage 02 still writes shards for this many rows (the "
-        "first train rows and the first validation rows, in proportion to the split) so that stage 03 validates and "
-        "plots real states and stage 06's offline method has rows to simulate (docs/engines.md#online-hidden-states).")
+        64, ge=1, description="train.hidden_states: online or spool only: stage 02 still writes shards for this many "
+        "rows (the first train rows and the first validation rows, in proportion to the split) so that stage 03 "
+        "validates and plots real states and stage 06's offline method has rows to simulate "
+        "(docs/engines.md#online-hidden-states).")
 
 
 class InspectSection(Section):
@@ -248,13 +249,22 @@ class TrainSection(Section):
     dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
     val_every: int = Field(1, description="Validate every N epochs.")
     save_every: int = Field(1, description="Checkpoint every N epochs.")
-    hidden_states: Literal["offline", "online"] = Field(
+    hidden_states: Literal["offline", "online", "spool"] = Field(
         "offline", description="Where stage 05 gets the target's hidden states. offline = stage 02 extracts them once "
         "to disk ((aux+1) x hidden x 2 bytes per token in bf16) and every epoch reads them back: the cheap choice for "
         "several epochs when the disk holds them. online = the target runs inside stage 05, on the training device, "
         "for every batch of every epoch: no disk for states (stage 02 writes only extract.online_sample_rows shards), "
         "at the price of one target forward per batch per epoch and the target's memory beside the draft's "
-        "(docs/engines.md#online-hidden-states). Changing it reruns stage 02.")
+        "(docs/engines.md#online-hidden-states). spool = for a target only vLLM can hold (tensor parallel): stage 02's "
+        "extract backend (vLLM native or the capture worker, with its parallel sizes; or transformers) runs in a "
+        "producer process and computes each batch's states ahead of the trainer into <run>/spool/, which the loader "
+        "reads and deletes; at most train.spool_bytes of states are on disk at once, and every epoch captures its "
+        "rows again (docs/engines.md#spool-producer-mode). Changing it reruns stage 02.")
+    spool_bytes: int = Field(
+        8_000_000_000, ge=1, description="train.hidden_states: spool only: the disk budget of <run>/spool/, never "
+        "exceeded: the loader asks the producer for the next batches' rows only while their shards (tokens x the "
+        "bytes per token stage 02 would store) fit in it, so a few batches' worth lets the producer work ahead. A "
+        "batch larger than the budget is refused before the producer starts.")
     num_workers: int | Literal["auto"] = Field(
         "auto", description="Data loader worker processes: auto = 0 on CPU (no spare cores), 8 per GPU process "
         "(each packed 8k batch of an 8B target is ~270 MB of shards to read and pack)."
@@ -267,6 +277,17 @@ class TrainSection(Section):
         1, description="Training processes (GPUs) on this host: > 1 makes notebook 05 launch "
         "`torchrun --nproc-per-node N -m eagle3lib.train` (speculators' DDP)."
     )
+
+    @field_validator("spool_bytes", mode="before")
+    @classmethod
+    def _bytes_written_as_a_float(cls, v: Any) -> Any:
+        """8e9 is a string to YAML (its floats need a dot) and 8.0e9 a float: both are taken as the whole number."""
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                return v
+        return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 class EvaluateSection(Section):
@@ -352,6 +373,9 @@ class WorkbookConfig(Section):
             self.extract.tensor_parallel_size > 1 or self.extract.pipeline_parallel_size > 1
         ):
             raise ValueError("tensor/pipeline parallel sizes > 1 need extract.backend: vllm")
+        if self.train.hidden_states == "spool" and self.train.nproc_per_node > 1:
+            raise ValueError("train.hidden_states: spool trains in one process (one loader asks one producer for its "
+                             "batches): set train.nproc_per_node: 1, or train.hidden_states: offline to train in several")
         if self.evaluate.benchmarks and not {"embedded", "offline", "serve"} & set(self.evaluate.methods):
             raise ValueError("evaluate.benchmarks are measured by the embedded, offline and serve methods: add one of "
                              "them to evaluate.methods")

@@ -120,32 +120,41 @@ def disk_check(cfg: WorkbookConfig, model_dir: Path, info: TargetInfo, n_aux: in
     """Will stage 02's hidden states fit? Fails only when the estimate (eagle3lib.extract.estimate: the lengths
     known before generation, replies counted at their token limit) exceeds the free space; warns when the upper
     bound (every row at data.max_length) or the estimate comes within 10% of it. Stage 02 checks again with the real
-    token count before its first shard, so a warning costs nothing but a look."""
+    token count before its first shard, so a warning costs nothing but a look. Spool mode adds its budget
+    (train.spool_bytes): stage 05 fills up to that much of the same disk."""
+    from eagle3lib.shards import sample_shards_only
+
     est = estimate_data(cfg, model_dir)
     per_token = extraction_bytes_per_token(info, n_aux, cfg)
-    online = cfg.train.hidden_states == "online"
-    if online:  # stage 02 writes shards for extract.online_sample_rows rows only; stage 05 computes the rest
+    sampled = sample_shards_only(cfg.train.hidden_states)
+    if sampled:  # stage 02 writes shards for extract.online_sample_rows rows only; stage 05 gets the rest elsewhere
         share = min(1.0, cfg.extract.online_sample_rows / max(est.rows, 1))
         est = DataEstimate(min(est.rows, cfg.extract.online_sample_rows), round(est.tokens * share),
                            round(est.upper_bound_tokens * share), est.per_source)
-    need, bound = est.tokens * per_token, est.upper_bound_tokens * per_token
+    spool = cfg.train.spool_bytes if cfg.train.hidden_states == "spool" else 0
+    shards_need = est.tokens * per_token
+    need, bound = shards_need + spool, est.upper_bound_tokens * per_token + spool
     run_root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(run_root).free
     facts["disk"] = {"bytes_per_token": per_token, "planned_samples": est.rows, "estimated_tokens": est.tokens,
-                     "estimated_bytes": need, "upper_bound_bytes": bound, "free_bytes": free,
-                     "sources": est.per_source, "hidden_states": cfg.train.hidden_states}
+                     "estimated_bytes": shards_need, "upper_bound_bytes": bound - spool, "free_bytes": free,
+                     "sources": est.per_source, "hidden_states": cfg.train.hidden_states, "spool_bytes": spool}
     guessed = [s["kind"] for s in est.per_source if not s["known"]]
-    detail = (f"≈ {need / 1e9:.2f} GB estimated for {est.rows} rows (≈ {est.tokens / max(est.rows, 1):.0f} tokens "
-              f"each × {per_token / 1e3:.1f} KB/token), ≤ {bound / 1e9:.2f} GB if every row reached "
-              f"data.max_length={cfg.data.max_length}; {free / 1e9:.1f} GB free at {run_root}")
-    if online:
-        detail = ("train.hidden_states: online: almost no disk for states, stage 05 computes them on the training "
-                  f"device; only the extract.online_sample_rows sample shards are written: {detail}")
+    with_spool = f" + train.spool_bytes {spool / 1e9:.2f} GB = {need / 1e9:.2f} GB" if spool else ""
+    detail = (f"≈ {shards_need / 1e9:.2f} GB estimated for {est.rows} rows (≈ {est.tokens / max(est.rows, 1):.0f} "
+              f"tokens each × {per_token / 1e3:.1f} KB/token){with_spool}, ≤ {bound / 1e9:.2f} GB if every row "
+              f"reached data.max_length={cfg.data.max_length}; {free / 1e9:.1f} GB free at {run_root}")
+    if sampled:
+        where = ("stage 05 computes them on the training device" if cfg.train.hidden_states == "online" else
+                 "stage 05's producer keeps at most train.spool_bytes of them in <run>/spool/")
+        detail = (f"train.hidden_states: {cfg.train.hidden_states}: almost no disk for states in stage 02, {where}; "
+                  f"only the extract.online_sample_rows sample shards are written: {detail}")
     if guessed:
         detail += f" (size of {', '.join(guessed)} sources unknown before stage 02: counted at max_length)"
     if need > free:
         return Check("disk for hidden states", "fail", detail + " — fix: free disk space, set run.output_root to a "
-                     "bigger disk, or use fewer rows (data.num_samples, data.sources[].limit)")
+                     "bigger disk, or use fewer rows (data.num_samples, data.sources[].limit)"
+                     + (", or lower train.spool_bytes" if spool else ""))
     tight = max(need, bound) >= 0.9 * free
     return Check("disk for hidden states", "warn" if tight else "pass",
                  detail + ("; stage 02 checks the real size before its first shard" if tight else ""))

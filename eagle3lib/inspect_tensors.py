@@ -13,7 +13,7 @@ streaming pass (one shard in memory at a time, long shards in token chunks), and
   pass, so the result does not depend on chunking, and sharding the pass over workers later changes nothing.
 
 Sampled mode (`inspect.sample_shards`) computes the statistics on a seeded random subset and says so in the report;
-validation always covers every shard. Online mode (`train.hidden_states: online`): stage 02 wrote shards for its
+validation always covers every shard. Online and spool modes (`train.hidden_states`): stage 02 wrote shards for its
 sample rows only (`shards.shard_rows`), so validation and statistics cover those, and the report's mode says so
 (docs/engines.md#online-hidden-states). Same data and config in, same numbers out, whichever backend wrote the shards.
 """
@@ -361,15 +361,17 @@ class Inspection:
     stats: SlotStats
     stats_indices: list[int] | None  # None = every shard
     seed: int
-    online_rows: list[int] | None = None  # online mode: the only rows with a shard
+    online_rows: list[int] | None = None  # online and spool modes: the only rows with a shard
+    hidden_states: str = "offline"  # stage 02's train.hidden_states (the mode's name in the report)
 
     @property
     def mode(self) -> str:
         if self.online_rows is not None:
             n = len(self.online_rows)
-            head = (f"online: the {n} sample shards stage 02 wrote (train.hidden_states: online; rows "
-                    f"{self.online_rows[:8]}{' ...' if n > 8 else ''}) of {self.rows} rows; stage 05 computes the "
-                    "states of every row itself")
+            who = "stage 05 computes" if self.hidden_states == "online" else "stage 05's spool producer computes"
+            head = (f"{self.hidden_states}: the {n} sample shards stage 02 wrote (train.hidden_states: "
+                    f"{self.hidden_states}; rows {self.online_rows[:8]}{' ...' if n > 8 else ''}) of {self.rows} "
+                    f"rows; {who} the states of every row")
             if self.stats_indices is None:
                 return head
             return f"{head}; statistics on {len(self.stats_indices)} of them chosen at random (seed {self.seed})"
@@ -414,10 +416,11 @@ def open_dataset(dataset_dir: Path):
 
 
 def scan(dataset_dir: str | Path, spec: shards.ShardSpec, layer_ids: list[int], *, sample_shards: int | None = None,
-         seed: int = 0, indices: list[int] | None = None, progress: bool = True, threads: int | None = 1
-         ) -> Inspection:
-    """One streaming pass: validate every shard (or `indices`: the online sample rows), add valid ones to the
-    statistics (all, or a seeded sample of them).
+         seed: int = 0, indices: list[int] | None = None, progress: bool = True, threads: int | None = 1,
+         hidden_states: str = "offline") -> Inspection:
+    """One streaming pass: validate every shard (or `indices`: the sample rows of an online or spool stage 02,
+    whose train.hidden_states is `hidden_states`), add valid ones to the statistics (all, or a seeded sample of
+    them).
 
     Shards are visited in index order whatever is sampled, so the same data gives the same numbers. `threads` sets
     torch's CPU threads for the pass only (restored after): per-shard tensors are small, and on a busy machine
@@ -427,13 +430,13 @@ def scan(dataset_dir: str | Path, spec: shards.ShardSpec, layer_ids: list[int], 
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _scan(Path(dataset_dir), spec, layer_ids, sample_shards, seed, indices, progress)
+        return _scan(Path(dataset_dir), spec, layer_ids, sample_shards, seed, indices, progress, hidden_states)
     finally:
         torch.set_num_threads(before)
 
 
 def _scan(dataset_dir: Path, spec: shards.ShardSpec, layer_ids: list[int], sample_shards: int | None, seed: int,
-          indices: list[int] | None, progress: bool) -> Inspection:
+          indices: list[int] | None, progress: bool, hidden_states: str) -> Inspection:
     from tqdm.auto import tqdm
 
     ds = open_dataset(dataset_dir)
@@ -461,7 +464,7 @@ def _scan(dataset_dir: Path, spec: shards.ShardSpec, layer_ids: list[int], sampl
             bar.set_postfix(invalid=len(validation.invalid), refresh=False)
     validation.stray = stray_files(dataset_dir, rows)
     return Inspection(dataset_dir, spec, layer_ids, rows, validation, stats, sample, seed,
-                      None if indices is None else wanted)
+                      None if indices is None else wanted, hidden_states)
 
 
 def stray_files(dataset_dir: Path, rows: int) -> list[str]:
@@ -612,7 +615,8 @@ def make_figure(result: Inspection, name: str, rd: Any, example_index: int = 0) 
     """One stage-03 figure (a name of FIGURES), saved as figures/03_<name>.png (and shown inline in a notebook)."""
     if name == "example_heatmap":
         if result.online_rows is not None and example_index not in result.online_rows:
-            raise WorkbookError(f"inspect.example_index={example_index} has no shard: stage 02 ran online and wrote "
+            raise WorkbookError(f"inspect.example_index={example_index} has no shard: stage 02 ran "
+                                f"{result.hidden_states} and wrote "
                                 f"shards for rows {result.online_rows[:8]}{' ...' if len(result.online_rows) > 8 else ''}",
                                 "set inspect.example_index to one of them")
         example = load_example(result.dataset_dir, example_index, result.rows)
@@ -639,7 +643,8 @@ def scan_stage(stage: StageRun) -> InspectResult:
     spec, layer_ids = spec_from_manifest(metrics)
     result = scan(stage.rd.output("02", "dataset"), spec, layer_ids, sample_shards=cfg.sample_shards,
                   seed=stage.cfg.run.seed, threads=cfg.threads,
-                  indices=shards.shard_rows(metrics, 0) if shards.online(metrics) else None)
+                  indices=shards.shard_rows(metrics, 0) if shards.sampled(metrics) else None,
+                  hidden_states=metrics.get("hidden_states", "offline"))
     outputs: dict[str, Any] = write_outputs(result, stage.rd.path("inspect"), cfg.outlier_factor, cfg.report_first)
     return InspectResult(outputs, manifest_metrics(result), result)
 

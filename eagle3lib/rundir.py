@@ -71,13 +71,14 @@ def manifest_file(root: Path, stage: Stage) -> Path:
 
 def fork_run(src: Path, dst: Path) -> Path:
     """A copy of run folder `src` at `dst` that shares stages 00-04's files through hard links (no bytes copied) and
-    has no draft, no stage 05/06 outputs and no report: the way to train another draft on the same hidden states.
+    has no draft, no stage 05/06 outputs (a spool mode's folder included) and no report: the way to train another
+    draft on the same hidden states.
     An existing `dst` is replaced. Valid because where a run lives is not part of its lineage (config.LOCATION_FIELDS)."""
     import shutil
 
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst, copy_function=os.link,
-                    ignore=shutil.ignore_patterns("draft", "eval", "05_*", "06_*", "report.md"))
+                    ignore=shutil.ignore_patterns("draft", "eval", "spool", "05_*", "06_*", "report.md"))
     return Path(dst)
 
 

@@ -34,6 +34,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,  # names in a file's header
                       "F8_E4M3": getattr(torch, "float8_e4m3fn", None)}
 SCALES_KEY = "hidden_states_scales"  # = hs_connectors.fp8_utils.SCALES_KEY (require_fp8_reader checks it)
+HEADER_BYTES = 1024  # the most a shard's safetensors header takes (8 bytes of length + a JSON of its keys, padded)
 
 
 def train_ratio(train_rows: int, val_rows: int) -> float:
@@ -71,6 +72,13 @@ class ShardSpec:
         per_value = 1 if self.fp8 else torch.tensor([], dtype=self.dtype).element_size()
         return self.n_slots * self.hidden_size * per_value + (4 if self.fp8 else 0) + 8
 
+    def file_bytes(self, tokens: int) -> int:
+        """At most what the shard of a `tokens`-token row takes on disk: its tokens plus the safetensors header
+        (measured 144-264 bytes for these keys; HEADER_BYTES leaves room for a writer's metadata). What the spool's
+        budget counts (eagle3lib.train.spool)."""
+        return tokens * self.bytes_per_token() + HEADER_BYTES
+
+
 
 def spec_from_metrics(metrics: dict) -> ShardSpec:
     """The spec stage 02 recorded in its manifest's metrics (layer_ids, hidden_size, dtype, fp8_shards): how stages
@@ -79,16 +87,24 @@ def spec_from_metrics(metrics: dict) -> ShardSpec:
                      DTYPES[str(metrics["dtype"]).removeprefix("torch.")], bool(metrics.get("fp8_shards", False)))
 
 
-def online(metrics: dict) -> bool:
-    """Stage 02 ran for train.hidden_states: online (its manifest says so): shards exist for a few sample rows only,
-    stage 05 computes every row's states itself (docs/engines.md#online-hidden-states)."""
-    return metrics.get("hidden_states", "offline") == "online"
+def sample_shards_only(hidden_states: str) -> bool:
+    """Does train.hidden_states `hidden_states` leave stage 02 writing shards for its sample rows only
+    (extract.online_sample_rows)? online and spool: stage 05 gets every batch's states elsewhere (the target in the
+    training process, a producer process), so full shards would be disk spent for nothing
+    (docs/engines.md#online-hidden-states, #spool-producer-mode). The one rule stages 00, 02, 03, 05 and 06 follow."""
+    return hidden_states in ("online", "spool")
+
+
+def sampled(metrics: dict) -> bool:
+    """Stage 02 wrote shards for its sample rows only (its manifest's hidden_states is online or spool)."""
+    return sample_shards_only(metrics.get("hidden_states", "offline"))
 
 
 def shard_rows(metrics: dict, rows: int) -> list[int]:
     """The dataset rows that have a shard, as stage 02 recorded them: every row of an offline run, the sample rows
-    (`metrics["shard_rows"]`, sorted) of an online one. Stages 03, 05 and 06 read this, never guess from the disk."""
-    if online(metrics):
+    (`metrics["shard_rows"]`, sorted) of an online or spool one. Stages 03, 05 and 06 read this, never guess from the
+    disk."""
+    if sampled(metrics):
         return sorted(int(i) for i in metrics["shard_rows"])
     return list(range(rows))
 

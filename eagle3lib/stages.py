@@ -32,7 +32,7 @@ class Stage:
 
 
 ALL_STAGES: tuple[Stage, ...] = (
-    # 00 and 02 read train.hidden_states: online mode needs (and writes) shards for a few sample rows only
+    # 00 and 02 read train.hidden_states: online and spool modes need (and write) shards for a few sample rows only
     Stage("00", "environment", ("target", "extract", "train.hidden_states"), (), "environment and GPU check"),
     Stage("01", "patches", ("target", "extract", "evaluate"), (), "contract audit and compatibility patches"),
     # 02 reads evaluate.benchmarks: it writes their prompts and drops the training conversations that overlap them

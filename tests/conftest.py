@@ -22,11 +22,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The longest files, dealt first. Measured in `make test` on a 2-core box (2026-12-01), seconds per file: before the
 # one-thread rule above, pipeline 725, data 876, evaluate 384, vllm_backends 373, qwen_target 369, serve 312; with
 # it (the whole suite 1,130 s on two workers): vllm_backends 328, pipeline 303, evaluate 303, serve 274,
-# qwen_target 244, data 166, browser 124, foundation 107. Only the order of the run depends on this list (a stale
-# entry costs minutes, never a result).
+# qwen_target 244, data 166, browser 124, foundation 107; spool (run alone) 175. Only the order of the run depends on
+# this list (a stale entry costs minutes, never a result).
 LONGEST_FIRST = ("e2e/test_pipeline.py", "unit/test_data.py", "unit/test_evaluate.py", "unit/test_vllm_backends.py",
                  "unit/test_serve.py", "e2e/test_qwen_target.py", "unit/test_foundation.py", "unit/test_capture.py",
-                 "e2e/test_browser.py", "unit/test_benchmarks.py")
+                 "unit/test_spool.py", "e2e/test_browser.py", "unit/test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -108,13 +108,13 @@ def reference_states(model, input_ids, layer_ids: list[int]):
 
 def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: int = 12, n_val: int = 4,
                   seq_len: int = 48, layer_ids: list[int] | None = None, seed: int = 0, fp8: bool = False,
-                  online: bool = False, dtype: str = "bfloat16", overrides: tuple[str, ...] = ()):
+                  hidden_states: str = "offline", dtype: str = "bfloat16", overrides: tuple[str, ...] = ()):
     """A run directory whose stage 02 outputs come from a real forward of a tiny random model (random token ids,
     loss on the second half): lets stages 03-06 be tested without running stage 02. `fp8`: the shards in
-    speculators' FP8 format (extract.fp8_shards). `online`: stage 02 as train.hidden_states: online leaves it
-    (shards only for the sample rows, `capture.online_sample_rows`, recorded in the manifest). `dtype`: the shards'
-    extract.dtype. `overrides`: more config overrides (they shape the stage 02 manifest's hash). Returns (cfg,
-    run_dir)."""
+    speculators' FP8 format (extract.fp8_shards). `hidden_states`: train.hidden_states; online and spool leave
+    stage 02 as it leaves them (shards only for the sample rows, `capture.online_sample_rows`, recorded in the
+    manifest). `dtype`: the shards' extract.dtype. `overrides`: more config overrides (they shape the stage 02
+    manifest's hash). Returns (cfg, run_dir)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -131,7 +131,7 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
                              f"target.layer_ids={ids[:-1]}", "data.self_distill=false", "train.dtype=float32",
                              f"data.max_length={seq_len}", f"verifier.draft_vocab_size={min(256, info.vocab_size)}",
                              f"extract.fp8_shards={str(fp8).lower()}", f"extract.dtype={dtype}",
-                             f"train.hidden_states={'online' if online else 'offline'}", *overrides])
+                             f"train.hidden_states={hidden_states}", *overrides])
     rd = RunDir.create(cfg)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
@@ -146,7 +146,8 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
     spec = shards.ShardSpec(len(ids), info.hidden_size, shards.DTYPES[dtype], fp8)
     from eagle3lib.extract.capture import online_sample_rows
 
-    shard_rows = online_sample_rows(n_train, n_val, cfg.extract.online_sample_rows) if online else list(range(n))
+    sampled = shards.sample_shards_only(hidden_states)
+    shard_rows = online_sample_rows(n_train, n_val, cfg.extract.online_sample_rows) if sampled else list(range(n))
     for i in shard_rows:
         shards.write_shard(dataset_dir, i, rows[i], states[i], rows[i], spec)
     table = Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": loss_mask.tolist(), "seq_len": [seq_len] * n})
@@ -166,9 +167,36 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
                  "bytes": int(states[shard_rows].numel() * states.element_size()), "layer_ids": ids,
                  "hidden_size": info.hidden_size, "num_layers": info.num_layers, "vocab_size": info.vocab_size,
                  "dtype": dtype, "fp8_shards": fp8, "tokens_per_s": None,
-                 "hidden_states": "online" if online else "offline",
-                 **({"shard_rows": shard_rows} if online else {})})
+                 "hidden_states": hidden_states, **({"shard_rows": shard_rows} if sampled else {})})
     return cfg, rd
+
+
+def stage02_shards(cfg, rd) -> None:
+    """Replace make_tiny_run's shards by what stage 02's capture loop (capture.extract, with cfg's extract backend)
+    writes for the same rows with this config."""
+    from datasets import load_from_disk
+
+    from eagle3lib import shards
+    from eagle3lib.extract import capture
+
+    dataset = rd.path("dataset")
+    for p in shards.shard_dir(dataset).glob("hs_*.safetensors"):
+        p.unlink()
+    ds = load_from_disk(str(dataset)).with_format(None)
+    m = rd.read_manifest("02")["metrics"]
+    capture.extract(cfg, dataset, rd.output("02", "model_dir"), m["layer_ids"], m["hidden_size"], ds["input_ids"],
+                    ds["loss_mask"], progress=False)
+
+
+def stage02_inputs(rd):
+    """stage 05's TrainInputs straight from stage 02's manifest (the loader does not need stage 04's outputs)."""
+    from eagle3lib import shards, train
+
+    m = rd.read_manifest("02")["metrics"]
+    ids = list(m["layer_ids"])
+    return train.TrainInputs(rd.output("02", "dataset"), m["train_rows"], m["val_rows"], ids, m["hidden_size"],
+                             rd.output("02", "model_dir"), rd.output("02", "model_dir"), None, None, 0,
+                             shard_rows=shards.shard_rows(m, m["samples"]) if shards.sampled(m) else None)
 
 
 @pytest.fixture

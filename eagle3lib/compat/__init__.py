@@ -269,6 +269,8 @@ def required_tags(cfg: Any, on_cpu: bool | None = None) -> set[str]:
         except Exception:  # noqa: BLE001
             on_cpu = False
     tags = {"speculators"}
+    if cfg.train.hidden_states == "spool":  # its sampler reads speculators' batches ahead (train.spool)
+        tags.add("speculators-spool")
     extract = cfg.extract
     if extract.backend == "vllm":
         tags |= {"vllm", "vllm-native" if extract.strategy == "native" else "vllm-worker"}

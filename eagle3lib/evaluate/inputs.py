@@ -35,7 +35,7 @@ class EvalInputs:
     # evaluate.benchmarks as stage 02 wrote them: {name: data/bench_<name>.jsonl}, and {name: its counts}
     benchmarks: dict[str, Path] = field(default_factory=dict)
     benchmark_info: dict[str, dict[str, Any]] = field(default_factory=dict)
-    shard_rows: list[int] | None = None  # train.hidden_states: online: the only rows with a shard (None = all)
+    shard_rows: list[int] | None = None  # train.hidden_states online or spool: the only rows with a shard (None = all)
 
 
 def inputs_from_run(stage: StageRun) -> EvalInputs:
@@ -55,7 +55,7 @@ def inputs_from_run(stage: StageRun) -> EvalInputs:
                       benchmarks={key.removeprefix("benchmark_"): rd.root / path
                                   for key, path in m02["outputs"].items() if key.startswith("benchmark_")},
                       benchmark_info=m02["metrics"].get("benchmarks") or {},
-                      shard_rows=shards.shard_rows(m02["metrics"], 0) if shards.online(m02["metrics"]) else None,
+                      shard_rows=shards.shard_rows(m02["metrics"], 0) if shards.sampled(m02["metrics"]) else None,
                       cache_dir=cache_root(stage.cfg))
 
 

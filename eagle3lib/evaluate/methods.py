@@ -200,7 +200,7 @@ def run_offline_continuations(target: Any, draft: Any, prompts: list[list[int]],
 def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int | None,
                      progress: bool = True) -> tuple[dict[int, Acceptance], int]:
     """Offline acceptance over the validation rows of the stage 02 dataset (stored states; the quick number; in
-    online mode over the validation rows among stage 02's sample shards, extract.online_sample_rows). The
+    online and spool modes over the validation rows among stage 02's sample shards, extract.online_sample_rows). The
     target's argmax after each position is computed from the stored final slot with stage 04's norm and lm_head."""
     from datasets import load_from_disk
     from tqdm.auto import tqdm
@@ -211,7 +211,7 @@ def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int |
 
     ds = load_from_disk(str(inp.dataset_dir))
     rows_idx = list(range(inp.train_rows, min(len(ds), inp.train_rows + inp.val_rows)))
-    if inp.shard_rows is not None:  # online: the validation rows among stage 02's sample shards
+    if inp.shard_rows is not None:  # online, spool: the validation rows among stage 02's sample shards
         rows_idx = [i for i in rows_idx if i in set(inp.shard_rows)]
     if max_rows is not None:
         rows_idx = rows_idx[:max_rows]

@@ -216,7 +216,8 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
 
     from eagle3lib.device import on_cpu
     from eagle3lib.evaluate.bench_worker import BenchWorker
-    from eagle3lib.evaluate.server import VllmServer, interrupt_on_sigterm, server_environment
+    from eagle3lib.evaluate.server import VllmServer, server_environment
+    from eagle3lib.processes import interrupt_on_sigterm
     from eagle3lib.target import tokenizer_dir
 
     ecfg = cfg.evaluate

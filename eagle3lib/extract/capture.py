@@ -9,9 +9,10 @@ backend ran lives here:
 - token_freq over the loss-masked tokens of the TRAIN rows (stage 04 builds the draft vocabulary from it);
 - the dataset table (input_ids, loss_mask, seq_len; torch format, as speculators reads it) is written last.
 - data parallel (transformers backend): one process per visible GPU, each capturing a token-balanced share.
-- online mode (`train.hidden_states: online`): the table and token_freq as always, but shards only for the
-  `online_sample_rows` rows (recorded in the manifest as `shard_rows`); stage 05 computes the rest itself
-  (docs/engines.md#online-hidden-states).
+- online and spool modes (`train.hidden_states`): the table and token_freq as always, but shards only for the
+  `online_sample_rows` rows (recorded in the manifest as `shard_rows`); stage 05 gets the rest elsewhere
+  (docs/engines.md#online-hidden-states, #spool-producer-mode). Stage 05's spool producer runs `capture_rows`
+  itself, into the spool folder.
 
 """
 
@@ -266,14 +267,14 @@ def _capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list
 
 # -------------------------------------------------------------------------------------------------- the stage
 def shard_rows_for(cfg: WorkbookConfig, n_train: int, n_val: int) -> list[int] | None:
-    """The rows stage 02 writes shards for: None = every row (offline), else the online sample rows."""
-    if cfg.train.hidden_states == "online":
+    """The rows stage 02 writes shards for: None = every row (offline), else the sample rows (online, spool)."""
+    if shards.sample_shards_only(cfg.train.hidden_states):
         return online_sample_rows(n_train, n_val, cfg.extract.online_sample_rows)
     return None
 
 
 def plan(cfg: WorkbookConfig, prepared: Any, target: ResolvedTarget) -> dict[str, Any]:
-    """What the extraction will do: samples, tokens and the disk it will take (online mode: the sample rows' only)."""
+    """What the extraction will do: samples, tokens and the disk it will take (online, spool: the sample rows' only)."""
     layer_ids = target.layer_ids
     spec = shard_spec(cfg, layer_ids, target.info.hidden_size)
     tokens = prepared.tokens
@@ -349,7 +350,7 @@ def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: 
             input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
             backend: Any | None = None, probe_dir: Path | None = None, shard_rows: list[int] | None = None
             ) -> dict[str, Any]:
-    """Shards for every row (or only `shard_rows`: online mode), resuming, then the table. Returns metrics of this
+    """Shards for every row (or only `shard_rows`: online and spool modes), resuming, then the table. Returns metrics of this
     call (resumed, computed, tok/s).
 
     `probe_dir` (stage 02 passes the run folder): the capture probe (eagle3lib.extract.probe) runs on the started
@@ -380,7 +381,7 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
         if not idx.isdigit() or int(idx) >= len(input_ids):
             p.unlink()
     rows = list(range(len(input_ids))) if shard_rows is None else list(shard_rows)
-    # online mode: shards of other rows (an earlier offline run) are left as they are, neither checked nor counted
+    # online, spool: shards of other rows (an earlier offline run) are left as they are, neither checked nor counted
     keep = valid_shards(dataset_dir, input_ids, spec, cfg.extract.writer_threads, rows)
     todo = [i for i in rows if i not in keep]
     todo_tokens = sum(len(input_ids[i]) for i in todo)
@@ -498,7 +499,7 @@ def capture_dataset(stage: StageRun, target: ResolvedTarget, prepared: Any, the_
                   "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction},
         "data": prepared.stats,
     }
-    if rows is not None:  # online: the only rows with a shard (shards.shard_rows reads this)
+    if rows is not None:  # online, spool: the only rows with a shard (shards.shard_rows reads this)
         metrics["shard_rows"] = rows
     outputs = {"dataset": dataset_dir, "token_freq": rd.path("token_freq.pt"),
                "train_conversations": rd.path("data", "train.jsonl"), "eval_prompts": rd.path("data", "eval.jsonl"),

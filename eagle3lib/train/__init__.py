@@ -7,6 +7,9 @@ The steps, each in its own module:
     settings.py          'auto' → sdpa/flex attention, eager/fused loss (behavioural probe), fp32/bf16, workers
     inputs.py            stages 02 and 04's outputs, and every hidden-state shard checked before training
     loader.py            speculators' data path in a DataLoader that counts tokens and prefetches to the GPU
+    online.py            train.hidden_states: online, each batch's states from the target in this process
+    spool.py             train.hidden_states: spool, each batch's states asked of a producer, within a disk budget
+    spool_producer.py    the spool's producer process (stage 02's capture) and this process's handle on it
     speculators_glue.py  speculators' config and draft model, and the patches around its Trainer
     loop.py              the Trainer driven epoch by epoch: untrained validation, curves, checkpoints, resume
     checkpoint.py        where checkpoints live; resumable, movable, reloadable

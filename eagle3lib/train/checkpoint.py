@@ -32,7 +32,8 @@ def checkpoints_dir(rd: RunDir) -> Path:
 # Settings that may change between a run and its resumption (how long, how often, how the data is fed); any other
 # change would silently continue training a different recipe from the old checkpoint.
 RESUMABLE_CHANGES = frozenset({"epochs", "max_steps", "val_every", "save_every", "num_workers", "prefetch_factor",
-                               "nproc_per_node", "device_prefetch", "loss_implementation", "draft_attn_impl", "dtype"})
+                               "nproc_per_node", "device_prefetch", "loss_implementation", "draft_attn_impl", "dtype",
+                               "spool_bytes"})
 
 
 def prepare_checkpoint_dir(save_path: Path, tcfg: TrainSection, draft_vocab_size: int) -> list[str]:

@@ -2,9 +2,9 @@
 
 Stage 02's dataset + hidden-state shards (train rows first, then validation rows: the train ratio is derived so
 speculators' `int(n * ratio)` split lands exactly on stage 02's boundary), layer ids and target folder; stage 04's
-verifier folder (embed/lm_head/norm + config.json) and t2d/d2t maps. In online mode (`train.hidden_states: online`)
-stage 02 wrote shards for its sample rows only (`shards.shard_rows`) and stage 05 computes every batch's states
-itself (eagle3lib.train.online).
+verifier folder (embed/lm_head/norm + config.json) and t2d/d2t maps. In online and spool modes
+(`train.hidden_states`) stage 02 wrote shards for its sample rows only (`shards.shard_rows`) and stage 05 gets every
+batch's states elsewhere (eagle3lib.train.online, eagle3lib.train.spool).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
         t2d = load_vocab_map(rd.output("04", "t2d"), "t2d").to(torch.bool)
         d2t = load_vocab_map(rd.output("04", "d2t"), "d2t").to(torch.long)
     draft_vocab = int(m04["metrics"].get("draft_vocab_size") or (d2t.shape[0] if d2t is not None else 0))
-    online = shards.online(metrics)  # (an offline stage 05 on an online stage 02: its manifest's hash refuses it)
+    sampled = shards.sampled(metrics)  # (an offline stage 05 on an online stage 02: its manifest's hash refuses it)
     model_dir = Path(m02["outputs"]["model_dir"])
     verifier_dir = rd.output("04", "verifier_dir")
     if not (verifier_dir / "config.json").is_file():
@@ -85,7 +85,7 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
         dataset_dir=rd.output("02", "dataset"), train_rows=train_rows, val_rows=val_rows,
         layer_ids=[int(i) for i in metrics["layer_ids"]], hidden_size=int(metrics["hidden_size"]),
         model_dir=model_dir, verifier_dir=verifier_dir, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
-        shard_rows=shards.shard_rows(metrics, train_rows + val_rows) if online else None)
+        shard_rows=shards.shard_rows(metrics, train_rows + val_rows) if sampled else None)
 
 
 def check_shards(inp: TrainInputs, spec: shards.ShardSpec, threads: int = 8) -> None:
@@ -93,8 +93,9 @@ def check_shards(inp: TrainInputs, spec: shards.ShardSpec, threads: int = 8) -> 
 
     Why: speculators meets a bad shard mid-epoch with a raw error (truncated or empty file: a SafetensorError from its
     loader thread; missing: "Failed to load hidden states for sample i" with a split-relative i), or silently drops the
-    row (token ids that differ: only a warning). Here it is one line naming the shards and the fix. In online mode
-    only the sample rows stage 02 wrote are checked (the rest have no shard: the target computes them)."""
+    row (token ids that differ: only a warning). Here it is one line naming the shards and the fix. In online and
+    spool modes only the sample rows stage 02 wrote are checked (the rest have no shard: stage 05 gets their states
+    elsewhere)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from datasets import load_from_disk

@@ -4,7 +4,8 @@ speculators' ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn(shift
 the DataLoader around them (`_counting_loader_class`) adds two things the stage needs: the real tokens of each batch
 (tokens/s on the bar and in the curves) and, on a GPU, the copy of the next batch to the device on a side stream.
 In online mode (`train.hidden_states: online`) the dataset is eagle3lib.train.online's, which gets each batch's
-states from the target instead of from shards; the rest of the path is the same.
+states from the target instead of from shards; in spool mode the dataset and the sampler are eagle3lib.train.spool's,
+which ask a producer for each batch's shards ahead and delete them once read. The rest of the path is the same.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ def keep_first(ds: Any, n: int) -> None:
     ds.approx_lengths = ds._compute_approx_lengths()
 
 
-def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0, transfer: Any = None):
+def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0, transfer: Any = None,
+                 spool: Any = None):
     """speculators' ArrowDataset + packing sampler + collate (its data path), in our DataLoader (token counting;
     pinned memory only where there is a GPU to copy to). `transfer`: an `online.OnlineTransfer` (online mode: the
-    batches' states come from the target, already on the device, so nothing is pinned), None = shards."""
+    batches' states come from the target, already on the device, so nothing is pinned); `spool`: a `spool.Spool`
+    (spool mode: shards read from, and deleted in, the spool folder); neither = stage 02's shards."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.dataloader import _worker_init_fn
@@ -112,10 +115,17 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
     dtype = getattr(torch, res.hidden_states_dtype)
     online = transfer is not None
     dataset_cls: Any = ArrowDataset
+    sampler_cls: Any = MultipackDistributedBatchSamplerV2
+    extra: dict[str, Any] = {}
     if online:
         from eagle3lib.train.online import OnlineArrowDataset
 
         dataset_cls = OnlineArrowDataset
+    elif spool is not None:
+        from eagle3lib.train.spool import SpoolArrowDataset, SpoolBatchSampler
+
+        dataset_cls, sampler_cls, extra = SpoolArrowDataset, SpoolBatchSampler, {"spool": spool}
+        transfer = fp8_aware_transfer(spool.shard_dir, dtype)
     else:
         transfer = fp8_aware_transfer(shard_dir(inp.dataset_dir), dtype)
     loader_cls = _counting_loader_class()
@@ -123,13 +133,14 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
     for split in ("train", "val"):
         ds = dataset_cls(max_len=tcfg.packing_length, datapath=str(inp.dataset_dir), on_missing="raise",
                           train_ratio=inp.train_ratio, split=split, hidden_states_dtype=dtype,
-                          model=str(inp.verifier_dir), transfer=transfer)
+                          model=str(inp.verifier_dir), transfer=transfer, **extra)
         if ds.data.format.get("type") != "torch":  # speculators compares rows with torch.equal: needs tensors
             ds.data = ds.data.with_format("torch")
         if split == "train" and tcfg.train_fraction < 1.0:
             keep_first(ds, math.ceil(tcfg.train_fraction * len(ds)))
-        sampler = MultipackDistributedBatchSamplerV2(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,
-                                                     num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed)
+        spooled = {"spool": spool, "first_row": ds.start_file_idx} if spool is not None else {}  # asks for rows
+        sampler = sampler_cls(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,
+                              num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed, **spooled)
         if len(sampler) == 0:  # else a later, vaguer failure (or a rank waiting forever for the others)
             raise WorkbookError(
                 f"the {split} split (rows: {len(ds)}) gives this process (rank {get_dp_rank()} of {get_dp_size()}) no "

@@ -8,6 +8,7 @@ length 1 + Σ_s full_acc_s (train and validation: eagle3lib.train.curves).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -44,7 +45,9 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
 
     Works in one process and under `torchrun` (speculators' DDP: `maybe_setup_distributed` reads LOCAL_RANK);
     only rank 0 writes the curves and the result (the figure: eagle3lib.train.result.summarize). With
-    `train.hidden_states: online` the target computes each batch's states (eagle3lib.train.online).
+    `train.hidden_states: online` the target computes each batch's states (eagle3lib.train.online); with `spool` a
+    producer process does, into a bounded folder (eagle3lib.train.spool), stopped however this call ends (inside
+    `interrupt_on_sigterm`, SIGTERM included).
     """
     cfg: WorkbookConfig = rd.cfg
     tcfg = cfg.train
@@ -54,22 +57,36 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
     t0 = time.perf_counter()
     check_shards(inp, shards.spec_from_metrics(rd.read_manifest("02")["metrics"]))
     phases = {"check_shards": time.perf_counter() - t0}
-    transfer = None
+    transfer = spool = None
+    guard: Any = contextlib.nullcontext()
     if tcfg.hidden_states == "online":  # the target must fit before anything is written (eagle3lib.train.online)
         from eagle3lib.train.online import make_transfer
 
         transfer = make_transfer(cfg, inp, res)
+    elif tcfg.hidden_states == "spool":
+        from eagle3lib.extract.capture import shard_spec
+        from eagle3lib.processes import interrupt_on_sigterm
+        from eagle3lib.train.spool import make_spool
+
+        spool = make_spool(rd.path("spool"), tcfg.spool_bytes, inp.dataset_dir,
+                           shard_spec(cfg, inp.layer_ids, inp.hidden_size))
+        guard = interrupt_on_sigterm()
     try:
-        return _train(rd, cfg, tcfg, res, patched, inp, transfer, progress, phases)
+        with guard:
+            return _train(rd, cfg, tcfg, res, patched, inp, transfer, spool, progress, phases)
     finally:
         if transfer is not None:
             transfer.close()
+        if spool is not None:
+            spool.close()
 
 
 def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, patched: bool, inp: Any,
-           transfer: Any, progress: bool, phases: dict[str, float]) -> dict[str, Any]:
+           transfer: Any, spool: Any, progress: bool, phases: dict[str, float]) -> dict[str, Any]:
     """`train`'s body. `phases`: seconds per part, into result.json's phase_seconds (on the 1.5B recipe the stage
-    took 336 s around a 190 s loop, session 8: where the rest goes is measured, not guessed)."""
+    took 336 s around a 190 s loop, session 8: where the rest goes is measured, not guessed). The loaders come
+    first: in spool mode their batches decide whether the budget holds, before anything is written or started,
+    and the producer then starts its engine while the draft is built."""
     from speculators.train.trainer import Trainer
 
     mark = time.perf_counter()
@@ -80,15 +97,19 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
         phases[name] = phases.get(name, 0.0) + now - mark
         mark = now
 
+    train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed, transfer, spool)
+    lap("loaders")
+    if spool is not None:  # the budget is checked against every batch, then the producer starts
+        spool.start(cfg, inp, {"train": train_loader.batch_sampler, "validation": val_loader.batch_sampler},
+                    tcfg.epochs, draft_dir(rd) / "spool_producer.log")
+        lap("spool_start")
     save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
 
     model, train_kwargs, val_kwargs, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)
     if is_rank0():
         spec_cfg.save(str(save_path))  # speculators' run.yaml + train_command.txt beside the checkpoints
     lap("build_draft")
-    train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed, transfer)
     tconf = _trainer_config(tcfg, res, save_path, train_kwargs, val_kwargs)
-    lap("loaders")
 
     curves_path = draft_dir(rd) / "curves.json"
     with quiet_bars_and_capture() as capture:
@@ -127,6 +148,8 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
             result["online_target"] = {"seconds": round(transfer.seconds, 2), "tokens": transfer.tokens,
                                        "tokens_per_s": round(transfer.tokens / transfer.seconds, 1)
                                        if transfer.seconds > 0 else None}
+        if spool is not None:  # the budget, the peak the producer saw, its time and tokens, the trainer's wait
+            result["spool"] = spool.summary()
         atomic.write_json(draft_dir(rd) / "result.json", result)
     return result
 

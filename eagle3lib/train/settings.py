@@ -110,19 +110,25 @@ def resolve_settings(tcfg: TrainSection, device: str | None = None) -> Resolved:
     if tcfg.dtype == "auto":
         reasons.append(f"dtype {dtype}: " + ("bf16 autocast on GPU" if device == "cuda"
                                              else "bf16 is slower than fp32 on CPUs without AMX"))
-    online = tcfg.hidden_states == "online"
+    # why each mode that gets its states in stage 05 reads them in the training process
+    in_process = {"online": ("the target computes each batch's states in the training process, on the training "
+                             "device, and a worker process would need a copy of the target of its own"),
+                  "spool": ("the training process keeps the spool's ledger: it asks the producer for each batch's rows "
+                            "and deletes their states once the batch is built, which a worker process would do out "
+                            "of its sight")}.get(tcfg.hidden_states)
     if tcfg.num_workers == "auto":
-        workers = 0 if device == "cpu" or online else min(8, max(1, (os.cpu_count() or 2) // 2))
+        workers = 0 if device == "cpu" or in_process else min(8, max(1, (os.cpu_count() or 2) // 2))
         reasons.append(f"{workers} data loader workers: " + (
-            "online hidden states: the target runs in the training process, on its device" if online
+            "online hidden states: the target runs in the training process, on its device"
+            if tcfg.hidden_states == "online" else
+            "spool hidden states: the training process requests, reads and deletes them" if in_process
             else "the CPU trains, no spare cores" if device == "cpu" else "shards are read and packed in parallel"))
     else:
         workers = int(tcfg.num_workers)
-        if online and workers > 0:
+        if in_process and workers > 0:
             raise WorkbookError(
-                f"train.hidden_states: online needs train.num_workers 0, got {workers}: the target computes each "
-                "batch's states in the training process, on the training device, and a worker process would need a "
-                "copy of the target of its own", "set train.num_workers: auto (or 0), or train.hidden_states: offline")
+                f"train.hidden_states: {tcfg.hidden_states} needs train.num_workers 0, got {workers}: {in_process}",
+                "set train.num_workers: auto (or 0), or train.hidden_states: offline")
     for r in reasons:
         log.info("auto: %s", r)
     return Resolved(device, attn, loss_impl, dtype, num_workers=workers, reasons=reasons)

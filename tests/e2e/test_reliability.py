@@ -80,25 +80,29 @@ def _with_train(cfg, **updates):
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=updates)})
 
 
-@pytest.fixture(params=["offline", "online"])
+@pytest.fixture(params=["offline", "online", "spool"])
 def two_identical_runs(request, tmp_path, tiny_llama_dir):
-    """Two run directories with identical stage 02 + 04 outputs (one built, then copied); offline (shards) and
+    """Two run directories with identical stage 02 + 04 outputs (one built, then copied); offline (shards),
     online (train.hidden_states: online, eagle3lib.train.online: the target runs in the training process, so the
-    killed process takes its target with it and the resumed one loads its own)."""
+    killed process takes its target with it and the resumed one loads its own) and spool (eagle3lib.train.spool: the
+    killed process's producer is stopped by the kernel, PR_SET_PDEATHSIG, and the resumed run empties the spool
+    folder and starts its own)."""
     import shutil
 
     root = tmp_path / "whole"
     root.mkdir()
     cfg, rd = make_tiny_run(root, tiny_llama_dir, run="tiny", n_train=12, n_val=4,
-                            online=request.param == "online", overrides=("extract.online_sample_rows=4",))
+                            hidden_states=request.param, overrides=("extract.online_sample_rows=4",))
     _stage04(cfg, rd)
-    cfg = _with_train(cfg, **TRAIN)
+    cfg = _with_train(cfg, **TRAIN, spool_bytes=400_000)  # spool: about 1.5 batches
     copy = tmp_path / "killed" / "tiny"
     shutil.copytree(rd.root, copy, symlinks=True)
     return (cfg, RunDir(rd.root, cfg)), (cfg, RunDir(copy, cfg))
 
 
 def test_training_sigkilled_mid_epoch_resumes_with_the_same_next_steps(two_identical_runs, tmp_path):
+    import psutil
+
     (cfg_a, rd_a), (cfg_b, rd_b) = two_identical_runs
     whole = train.train(rd_a, progress=False)
 
@@ -117,12 +121,16 @@ def test_training_sigkilled_mid_epoch_resumes_with_the_same_next_steps(two_ident
         while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert marker.exists(), f"the child never reached epoch 1: {log.read_text()[-3000:]}"
+        below = psutil.Process(child.pid).children(recursive=True)  # spool: its producer
+        assert bool(below) == (cfg_b.train.hidden_states == "spool")
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
         if child.poll() is None:
             child.kill()
     assert child.returncode == -signal.SIGKILL
+    _, alive = psutil.wait_procs(below, timeout=30)
+    assert not alive, f"processes of the killed training left running: {[p.pid for p in alive]}"
     ckpts = rd_b.path("draft", "checkpoints")
     assert sorted(d.name for d in ckpts.iterdir() if d.is_dir() and not d.is_symlink()) == ["0"]
     killed_curves = json.loads(rd_b.path("draft", "curves.json").read_text())

@@ -20,7 +20,7 @@ from eagle3lib.extract import capture
 from eagle3lib.rundir import RunDir, StageRun
 from eagle3lib.stages import get_stage
 from eagle3lib.train.inputs import check_shards
-from tests.conftest import make_tiny_run
+from tests.conftest import make_tiny_run, stage02_inputs, stage02_shards
 
 SEQ = 48
 TRAIN = {"epochs": 2, "packing_length": 256, "lr": 3e-3}
@@ -31,22 +31,13 @@ def _with_train(cfg, **updates):
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=updates)})
 
 
-def _inputs(rd) -> train.TrainInputs:
-    """TrainInputs straight from stage 02's manifest (the loader does not need stage 04's outputs)."""
-    m = rd.read_manifest("02")["metrics"]
-    ids = list(m["layer_ids"])
-    return train.TrainInputs(rd.output("02", "dataset"), m["train_rows"], m["val_rows"], ids, m["hidden_size"],
-                             rd.output("02", "model_dir"), rd.output("02", "model_dir"), None, None, 0,
-                             shard_rows=shards.shard_rows(m, m["samples"]) if shards.online(m) else None)
-
-
 def _batches(rd, online: bool, cfg=None):
     """Every train batch of one epoch through the real loaders, and the transfer (online) that made them."""
     from eagle3lib.train.online import make_transfer
 
     cfg = cfg or rd.cfg
     res = train.resolve_settings(cfg.train, "cpu")
-    inp = _inputs(rd)
+    inp = stage02_inputs(rd)
     transfer = make_transfer(cfg, inp, res) if online else None
     loader, _ = train.make_loaders(inp, cfg.train, res, seed=0, transfer=transfer)
     loader.batch_sampler.set_epoch(0)
@@ -57,20 +48,6 @@ def _batches(rd, online: bool, cfg=None):
             transfer.close()
 
 
-def _stage02_shards(cfg, rd) -> None:
-    """Replace make_tiny_run's shards by what stage 02's capture loop (capture.extract, the transformers backend)
-    writes for the same rows with this config."""
-    from datasets import load_from_disk
-
-    dataset = rd.path("dataset")
-    for p in shards.shard_dir(dataset).glob("hs_*.safetensors"):
-        p.unlink()
-    ds = load_from_disk(str(dataset)).with_format(None)
-    m = rd.read_manifest("02")["metrics"]
-    capture.extract(cfg, dataset, rd.output("02", "model_dir"), m["layer_ids"], m["hidden_size"], ds["input_ids"],
-                    ds["loss_mask"], progress=False)
-
-
 def test_online_batches_equal_stage_02_shards(tmp_path, tiny_llama_dir):
     """(a) One epoch of train batches, online and from stage 02's shards of the same rows: the same batches in the same
     order, every tensor bitwise equal when both captured one row per forward; within fp32 rounding when the online
@@ -78,8 +55,8 @@ def test_online_batches_equal_stage_02_shards(tmp_path, tiny_llama_dir):
     one_row = (f"extract.batch_tokens={SEQ}",)
     cfg_off, rd_off = make_tiny_run(tmp_path / "off", tiny_llama_dir, dtype="float32", overrides=one_row)
     reference = {i: shards.read_shard(shards.shard_path(rd_off.path("dataset"), i))["hidden_states"] for i in range(16)}
-    _stage02_shards(cfg_off, rd_off)
-    cfg_on, rd_on = make_tiny_run(tmp_path / "on", tiny_llama_dir, dtype="float32", online=True, overrides=one_row)
+    stage02_shards(cfg_off, rd_off)
+    cfg_on, rd_on = make_tiny_run(tmp_path / "on", tiny_llama_dir, dtype="float32", hidden_states="online", overrides=one_row)
     cfg_on = cfg_on.model_copy(update={"train": cfg_on.train.model_copy(update={"packing_length": 256})})
     cfg_off = cfg_off.model_copy(update={"train": cfg_off.train.model_copy(update={"packing_length": 256})})
 
@@ -116,7 +93,7 @@ def test_online_and_offline_training_take_the_same_steps(tmp_path, tiny_llama_di
 
     curves, results = {}, {}
     for mode in ("offline", "online"):
-        cfg, rd = make_tiny_run(tmp_path / mode, tiny_llama_dir, dtype="float32", online=mode == "online",
+        cfg, rd = make_tiny_run(tmp_path / mode, tiny_llama_dir, dtype="float32", hidden_states=mode,
                                 overrides=("extract.online_sample_rows=4",))
         stage04 = StageRun(get_stage("04"), cfg, rd)
         stage04.finish(verifier.run(stage04, check_speculators=False))
@@ -154,7 +131,7 @@ def test_online_refuses_workers_and_a_target_that_does_not_fit(tmp_path, tiny_ll
 
     from eagle3lib import verifier
 
-    cfg, rd = make_tiny_run(tmp_path, tiny_llama_dir, dtype="float32", online=True)
+    cfg, rd = make_tiny_run(tmp_path, tiny_llama_dir, dtype="float32", hidden_states="online")
     stage04 = StageRun(get_stage("04"), cfg, rd)
     stage04.finish(verifier.run(stage04, check_speculators=False))
     with pytest.raises(WorkbookError, match="num_workers 0"):
@@ -180,7 +157,7 @@ def test_stage_02_online_writes_only_the_sample_rows(tmp_path, tiny_llama_dir):
     assert capture.online_sample_rows(10, 0, 4) == [0, 1, 2, 3]
     assert capture.online_sample_rows(12, 4, 64) == list(range(16))
     assert capture.online_sample_rows(50, 1, 4) == [0, 1, 2, 50]
-    cfg, rd = make_tiny_run(tmp_path, tiny_llama_dir, dtype="float32", online=True,
+    cfg, rd = make_tiny_run(tmp_path, tiny_llama_dir, dtype="float32", hidden_states="online",
                             overrides=("extract.online_sample_rows=3",))
     from datasets import load_from_disk
 
@@ -194,7 +171,7 @@ def test_stage_02_online_writes_only_the_sample_rows(tmp_path, tiny_llama_dir):
                           ds["loss_mask"], progress=False, shard_rows=m["shard_rows"])
     assert ext["computed_shards"] == 3
     assert sorted(p.name for p in shards.shard_dir(dataset).glob("*")) == [f"hs_{i}.safetensors" for i in (0, 1, 12)]
-    check_shards(_inputs(rd), shards.spec_from_metrics(m))  # the 13 rows without a shard are not an error
+    check_shards(stage02_inputs(rd), shards.spec_from_metrics(m))  # the 13 rows without a shard are not an error
     shards.shard_path(dataset, 12).unlink()
     with pytest.raises(WorkbookError, match=r"1 of 3 hidden-state shards .* are invalid \(rows \[12\]\)"):
-        check_shards(_inputs(rd), shards.spec_from_metrics(m))
+        check_shards(stage02_inputs(rd), shards.spec_from_metrics(m))

@@ -96,7 +96,7 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     assert result["val_eal"] > result["val_eal_untrained"]
     # where stage 05's time goes: every part measured, the epochs at least the steps they hold
     phases = result["phase_seconds"]
-    assert list(phases) == ["check_shards", "build_draft", "loaders", "trainer_init", "untrained_validation",
+    assert list(phases) == ["check_shards", "loaders", "build_draft", "trainer_init", "untrained_validation",
                             "epochs", "finalize"] and min(phases.values()) >= 0
     assert phases["epochs"] >= result["train_seconds"] - 0.05
     curves = json.loads(rd.path("draft", "curves.json").read_text())
