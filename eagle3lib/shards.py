@@ -79,7 +79,6 @@ class ShardSpec:
         return tokens * self.bytes_per_token() + HEADER_BYTES
 
 
-
 def spec_from_metrics(metrics: dict) -> ShardSpec:
     """The spec stage 02 recorded in its manifest's metrics (layer_ids, hidden_size, dtype, fp8_shards): how stages
     03, 05 and 06 know what to expect. Raises KeyError/TypeError/ValueError on a manifest without them."""
