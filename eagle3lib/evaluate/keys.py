@@ -14,7 +14,8 @@ EMBEDDED = "embedded"  # the exact speculative decoder; also results["embedded"]
 VLLM = "vllm"  # EAGLE-3 in vLLM; also results["vllm"]
 NGRAM = "vllm n-gram (no draft)"  # vLLM's n-gram prompt lookup: the draft-free baseline
 SERVE = "vllm serve"  # the real server with the draft, its /metrics counters over every level; also results["serve"]
-# the real server with n-gram lookup instead of the draft (evaluate.methods: serve + ngram); also results["serve"]["ngram"]
+# the real server with n-gram lookup instead of the draft (evaluate.methods: serve + ngram); also
+# results["serve"]["ngram"]
 NGRAM_SERVE = "vllm serve n-gram (no draft)"
 LIVE = (EMBEDDED, VLLM)  # the methods with a speed section: target alone vs with the draft
 # results["tau_by_benchmark"][name]["by_method"]: the offline rows over a benchmark's own prompts (the embedded

@@ -105,7 +105,8 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-BENCH_METHODS = (EMBEDDED, SERVE, NGRAM_SERVE, BENCH_PATH, BENCH_ALL)  # the rows a benchmark can have; a table shows those it has
+# the rows a benchmark can have; a table shows those it has
+BENCH_METHODS = (EMBEDDED, SERVE, NGRAM_SERVE, BENCH_PATH, BENCH_ALL)
 
 
 def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None) -> list[dict[str, Any]]:

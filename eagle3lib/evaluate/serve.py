@@ -10,9 +10,10 @@ default), eager on the CPU. Then each server answers every prompt once more as t
 compared; an output that differs goes through the rounding-tie check (`decoder.first_divergence`) with the
 transformers target. With `ngram` in evaluate.methods as well, a third server between the two speculates by vLLM's
 n-gram prompt lookup (no draft model) and is measured the same way (results["serve"]["ngram"]): the free baseline
-a trained draft must beat, at the same loads. Last, the draft's server asks every `evaluate.benchmarks` item turn by turn (`ask_on_server`):
-τ per benchmark, category and turn from its counters, the "vllm serve" rows of results["tau_by_benchmark"] (with
-only 'serve' configured, `methods.measure` leaves the benchmarks to this step and loads no transformers target).
+a trained draft must beat, at the same loads. Last, the draft's server (and n-gram lookup's) asks every
+`evaluate.benchmarks` item turn by turn (`ask_on_server`): τ per benchmark, category and turn from its counters, the
+"vllm serve" (and NGRAM_SERVE) rows of results["tau_by_benchmark"] (with only 'serve' configured, `methods.measure`
+leaves the benchmarks to this step and loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
 helps); the step cost (`step_cost`) = what a step with the draft costs against a plain one there, which is also

@@ -114,7 +114,8 @@ def section(serve: dict[str, Any] | None) -> list[str]:
                 + ("." if not other else f"; **{other} do not** (see `serve.divergences` in eval/results.json)."), ""]
     ng = serve.get("ngram")
     if ng:
-        rows = [[c, f"{lv['baseline'].get('output_throughput') or 0:,.1f} → {lv['ngram'].get('output_throughput') or 0:,.1f}",
+        rows = [[c, f"{lv['baseline'].get('output_throughput') or 0:,.1f} → "
+                    f"{lv['ngram'].get('output_throughput') or 0:,.1f}",
                  _x(lv.get("output_tok_s_ratio")), _x(lv.get("tpot_ratio")),
                  _num((lv["ngram"].get("acceptance") or {}).get("tokens_per_step")),
                  _x(lv.get("step_cost"))] for c, lv in (ng.get("by_level") or {}).items()]
