@@ -350,8 +350,8 @@ def extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids: 
             input_ids: list[list[int]], loss_mask: list[list[int]], progress: bool = True,
             backend: Any | None = None, probe_dir: Path | None = None, shard_rows: list[int] | None = None
             ) -> dict[str, Any]:
-    """Shards for every row (or only `shard_rows`: online and spool modes), resuming, then the table. Returns metrics of this
-    call (resumed, computed, tok/s).
+    """Shards for every row (or only `shard_rows`: online and spool modes), resuming, then the table. Returns
+    metrics of this call (resumed, computed, tok/s).
 
     `probe_dir` (stage 02 passes the run folder): the capture probe (eagle3lib.extract.probe) runs on the started
     backend before its first shard and writes its report there; a failing probe stops the run with nothing written.
