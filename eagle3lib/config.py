@@ -375,7 +375,8 @@ class WorkbookConfig(Section):
             raise ValueError("tensor/pipeline parallel sizes > 1 need extract.backend: vllm")
         if self.train.hidden_states == "spool" and self.train.nproc_per_node > 1:
             raise ValueError("train.hidden_states: spool trains in one process (one loader asks one producer for its "
-                             "batches): set train.nproc_per_node: 1, or train.hidden_states: offline to train in several")
+                             "batches): set train.nproc_per_node: 1, or train.hidden_states: offline to train in "
+                             "several")
         if self.evaluate.benchmarks and not {"embedded", "offline", "serve"} & set(self.evaluate.methods):
             raise ValueError("evaluate.benchmarks are measured by the embedded, offline and serve methods: add one of "
                              "them to evaluate.methods")

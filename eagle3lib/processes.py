@@ -44,7 +44,8 @@ def _die_with_parent() -> None:
 
 
 def popen_with_parent(argv: list[str], **kwargs: Any) -> subprocess.Popen:
-    """subprocess.Popen(argv, cwd=REPO_ROOT, ...) for a child that must not outlive this process (the module's docstring)."""
+    """subprocess.Popen(argv, cwd=REPO_ROOT, ...) for a child that must not outlive this process (see the module's
+    docstring)."""
     global _LIBC
     if sys.platform.startswith("linux") and _LIBC is None:
         import ctypes

@@ -588,8 +588,8 @@ CONTRACTS: list[Contract] = [
              ("05",), ("speculators",)),
     Contract("speculators.MultipackDistributedBatchSamplerV2._generate_batches", _S,
              "speculators.train.distributed_batch_sampler:MultipackDistributedBatchSamplerV2._generate_batches",
-             "_generate_batches(epoch) → that epoch's batches (spool mode's sampler reads every batch of a pass ahead "
-             "and checks the budget against them)", params_start("epoch"), ("05",), ("speculators-spool",)),
+             "_generate_batches(epoch) → that epoch's batches (spool mode's sampler reads every batch of a pass "
+             "ahead and checks the budget against them)", params_start("epoch"), ("05",), ("speculators-spool",)),
     Contract("speculators.FP8Transfer", _S, "hs_connectors.transfer:FP8Transfer",
              "FP8Transfer(hidden_states_path, dequantize_dtype).get_cached(i): speculators' FP8 shards (e4m3, one "
              "float32 scale per token under 'hidden_states_scales') back in the training dtype",
