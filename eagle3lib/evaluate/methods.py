@@ -242,11 +242,15 @@ def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int |
     return res, len(rows_idx)
 
 
+def tokens_per_step(generated: int, accepted: int) -> float:
+    """Generated tokens / target forwards, where forwards = generated - accepted (every forward yields one token of
+    its own plus the accepted drafts; the prefill counts as one)."""
+    return round(generated / max(1, generated - accepted), 4)
+
+
 def with_tokens_per_step(acceptance: dict[str, Any], outputs: list[list[int]]) -> dict[str, Any]:
-    """The acceptance dict plus tokens_per_step = generated tokens / target forwards, where forwards = generated -
-    accepted (every forward yields one token of its own plus the accepted drafts; the prefill counts as one)."""
-    generated = sum(len(o) for o in outputs)
-    return {**acceptance, "tokens_per_step": round(generated / max(1, generated - acceptance["accepted"]), 4)}
+    """The acceptance dict plus tokens_per_step (`tokens_per_step`) over `outputs`."""
+    return {**acceptance, "tokens_per_step": tokens_per_step(sum(len(o) for o in outputs), acceptance["accepted"])}
 
 
 def count_identical(outputs: list[list[int]], others: list[list[int]]) -> int:

@@ -41,7 +41,7 @@ from eagle3lib import atomic
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
-from eagle3lib.evaluate.methods import FinishedMethods, count_identical, vllm_job, with_tokens_per_step
+from eagle3lib.evaluate.methods import FinishedMethods, count_identical, tokens_per_step, vllm_job, with_tokens_per_step
 
 log = logging.getLogger("eagle3lib.evaluate")
 
@@ -239,6 +239,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
                   max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args))
     servers = variants(ecfg.methods)
+    speculating = [v for v in servers if v in SERVE_ROWS]  # all but the baseline
     args = {v: serve_args(spec=speculative_config(v, inp.checkpoint, k), **common) for v in servers}
     n_req = {c: requests_at(c, len(prompts), ecfg.serve_requests) for c in levels}
     store = FinishedMethods(workdir / "partial.json", {
@@ -247,7 +248,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     scratch: dict[str, Any] = {"seconds": {}}
     todo = {v: [c for c in levels if not store.has(f"{v} c={c}")] for v in servers}
     # each speculating server also asks every benchmark (the baseline's counters would say nothing)
-    asks = {v: [f"benchmark {n}" for n in bench_items] if v != "baseline" else [] for v in servers}
+    asks = {v: [f"benchmark {n}" for n in bench_items] if v in speculating else [] for v in servers}
     reused = [f"{v} c={c}" for v in servers for c in levels if c not in todo[v]]  # kept from an earlier attempt
     if reused:
         log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(reused), store.path)
@@ -293,12 +294,12 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                   reused=reused,
                   level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
     checked = tie_check(cfg, inp, prompts, store.methods["baseline outputs"]["value"],
-                        {v: store.methods[f"{v} outputs"]["value"] for v in servers if v != "baseline"}, device)
+                        {v: store.methods[f"{v} outputs"]["value"] for v in speculating}, device)
     for v, part in checked.items():
         (result if v == "eagle3" else result[v]).update(part)
     result["benchmark_rows"] = {}
     for name, items in bench_items.items():
-        for v in (v for v in servers if v != "baseline"):
+        for v in speculating:
             asked = store.methods[f"{v} benchmark {name}"]["value"]
             if v == "eagle3":  # the conversations asked, the server's answers in them
                 atomic.write_text(workdir / f"bench_{name}.jsonl",
@@ -360,7 +361,7 @@ def benchmark_rows(asked: dict[str, Any], k: int, info: dict[str, Any], question
         row = acc.to_dict()
         generated = sum(g.get("generated") or 0 for g in groups)
         if generated:  # the fair figure for n-gram lookup, whose τ counts only the steps that found a match
-            row["tokens_per_step"] = round(generated / max(1, generated - acc.accepted), 4)
+            row["tokens_per_step"] = tokens_per_step(generated, acc.accepted)
         return {"prompts": sum(g["prompts"] for g in groups), "by_method": {method: row}}
 
     groups = asked["groups"]
@@ -444,7 +445,7 @@ def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], 
     below = next((int(c) for c, s in speedup.items() if s is not None and s < 1.0), None)
     spec_out, base_out = store.methods[f"{variant} outputs"]["value"], store.methods["baseline outputs"]["value"]
     generated = sum(store.methods[f"{variant} c={c}"]["value"]["total_output_tokens"] or 0 for c in levels)
-    acceptance = {**total.to_dict(), "tokens_per_step": round(generated / max(1, generated - total.accepted), 4)}
+    acceptance = {**total.to_dict(), "tokens_per_step": tokens_per_step(generated, total.accepted)}
     return {"k": k, "concurrency": levels, "requests": {str(c): n for c, n in n_req.items()}, "prompts": len(prompts),
             "by_level": by_level, "speedup_by_concurrency": speedup,
             "tpot_speedup_by_concurrency": {c: r["tpot_ratio"] for c, r in by_level.items()},

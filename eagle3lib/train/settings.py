@@ -119,9 +119,7 @@ def resolve_settings(tcfg: TrainSection, device: str | None = None) -> Resolved:
     if tcfg.num_workers == "auto":
         workers = 0 if device == "cpu" or in_process else min(8, max(1, (os.cpu_count() or 2) // 2))
         reasons.append(f"{workers} data loader workers: " + (
-            "online hidden states: the target runs in the training process, on its device"
-            if tcfg.hidden_states == "online" else
-            "spool hidden states: the training process requests, reads and deletes them" if in_process
+            f"{tcfg.hidden_states} hidden states: {in_process}" if in_process
             else "the CPU trains, no spare cores" if device == "cpu" else "shards are read and packed in parallel"))
     else:
         workers = int(tcfg.num_workers)
