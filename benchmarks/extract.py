@@ -169,8 +169,10 @@ def main() -> None:
 
 
 # ---- vLLM backends (stage 02 on vLLM; separate entry: --backend vllm-...) ------------------------------------------
-# In ONE device session, on the same random-weight model (vLLM load_format="dummy": only a config.json on disk) and
-# the same prompts, each mode in a fresh process (a clean GPU each time):
+# In ONE device session, on the same random-weight model and the same prompts, each mode in a fresh process (a clean
+# GPU each time). The weights: --weights dummy (vLLM's load_format="dummy": only a config.json on disk) or --weights
+# random (a random bf16 checkpoint written once, ~16 GB for the 8B shape, that every mode loads: the capture probe
+# reads the final norm and lm_head from the checkpoint, so only then does it run, and its seconds are reported):
 #   vllm-prefill = vLLM prefill alone (max_tokens=1, nothing captured): the ceiling;
 #   vllm-native  = the workbook's vLLM backend, strategy native (extract_hidden_states + connector), end to end
 #                  through eagle3lib.extract.capture.extract: every shard validated and on disk;
@@ -196,8 +198,34 @@ def vllm_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--workdir", default=None, help="model config + shards (default: a temp folder, removed after)")
     ap.add_argument("--timeout", type=int, default=900, help="vllm-all: seconds per mode")
     ap.add_argument("--modes", default=",".join(VLLM_MODES), help="vllm-all: which modes, comma-separated")
+    ap.add_argument("--weights", default="dummy", choices=["dummy", "random"],
+                    help="dummy: vLLM's load_format=dummy, no probe; random: a random checkpoint every mode loads, "
+                         "the capture probe runs before the extraction (native, worker)")
     ap.add_argument("--out", required=True, help="JSON result path")
     return ap.parse_args(argv)
+
+
+def write_random_checkpoint(model_dir: Path) -> None:
+    """Random bf16 weights (transformers' own init, built on the GPU when there is one) for the config.json in
+    `model_dir`, saved there as safetensors (once: kept when there). Every mode loads the same weights, so prefill and
+    capture compute the same thing."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    if any(model_dir.glob("*.safetensors")):
+        return
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model.save_pretrained(model_dir, max_shard_size="4GB")
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _vllm_setup(args: argparse.Namespace, work: Path) -> tuple[Any, Path, list[int], list[list[int]], dict]:
@@ -212,6 +240,8 @@ def _vllm_setup(args: argparse.Namespace, work: Path) -> tuple[Any, Path, list[i
                     num_hidden_layers=n, num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                     max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
                     dtype="bfloat16").save_pretrained(model_dir)
+    if args.weights == "random":
+        write_random_checkpoint(model_dir)
     n_rows = args.prompts or (12 if args.tiny else 256)
     seq_len = args.seq_len or (64 if args.tiny else 2048)
     g = torch.Generator().manual_seed(0)
@@ -246,13 +276,14 @@ def vllm_one(args: argparse.Namespace) -> dict:
     result: dict[str, Any] = {"mode": args.backend, "shape": shape, "layer_ids": layer_ids, "rows": len(rows),
                               "seq_len": len(input_ids[0]), "tokens": tokens, "store_dtype": args.store_dtype,
                               "request_tokens": args.request_tokens, "batch_tokens": args.batch_tokens,
-                              "in_process": not args.multiprocess}
+                              "in_process": not args.multiprocess, "weights": args.weights}
+    load_format = {"load_format": "dummy"} if args.weights == "dummy" else {}
     t = time.time()
     try:
         if args.backend == "vllm-prefill":
             prepare_environment(cfg)
             kwargs = engine_kwargs(cfg, model_dir, select_adapter(read_hf_config(model_dir)))
-            llm = start_engine({**kwargs, "load_format": "dummy"})
+            llm = start_engine({**kwargs, **load_format})
             result["engine_start_s"] = round(time.time() - t, 1)
             try:
                 generate(llm, rows[:8])  # warm-up (the same rows as the backends' warm-up)
@@ -267,7 +298,7 @@ def vllm_one(args: argparse.Namespace) -> dict:
             result["tokens_per_s"] = round(tokens / secs, 1)
         else:
             cfg.extract.strategy = args.backend.removeprefix("vllm-")
-            backend = make_vllm_backend(cfg, model_dir, layer_ids, load_format="dummy")
+            backend = make_vllm_backend(cfg, model_dir, layer_ids, **load_format)
             result["engine_start_s"] = round(time.time() - t, 1)
             result["connector"] = getattr(backend, "connector", None)  # native: which hidden-states connector wrote
             ddir = work / f"dataset-{cfg.extract.strategy}"
@@ -278,8 +309,12 @@ def vllm_one(args: argparse.Namespace) -> dict:
                         states.unlink()
                 backend.stats = dict.fromkeys(getattr(backend, "stats", {}), 0)
                 loss_mask = [[1] * len(x) for x in input_ids]
+                # the probe (random weights only: it reads the head from the checkpoint) runs inside `extract`,
+                # before the first shard, outside capture_seconds; its seconds against the run's are the issue's
+                # "probe cost"
                 ext = capture.extract(cfg, ddir, model_dir, layer_ids, shape["hidden"], input_ids, loss_mask,
-                                      progress=False, backend=backend)
+                                      progress=False, backend=backend,
+                                      probe_dir=work if args.weights == "random" else None)
             finally:
                 backend.close()
             written = sorted(shards.shard_dir(ddir).glob("hs_*.safetensors"))
@@ -289,11 +324,17 @@ def vllm_one(args: argparse.Namespace) -> dict:
                 assert not shards.check_shard_file(shards.shard_path(ddir, i), input_ids[i], spec)
             result["tokens_per_s"] = ext["tokens_per_s"]
             result["capture_seconds"] = ext["capture_seconds"]
+            if "probe" in ext:
+                run_s = result["engine_start_s"] + ext["capture_seconds"] + ext["probe"]["seconds"]
+                result["probe"] = {**ext["probe"], "share_of_capture": round(ext["probe"]["seconds"] /
+                                                                             ext["capture_seconds"], 4),
+                                   "share_of_run_incl_engine_start": round(ext["probe"]["seconds"] / run_s, 4)}
             # where the time went: generate_s = engine busy on the batches (the pipeline overlaps it with the
             # rest), wait_s = waiting for the connector's files, adopted/converted = files renamed / rewritten
             result["backend_stats"] = {k: round(v, 2) if isinstance(v, float) else v
                                        for k, v in getattr(backend, "stats", {}).items()}
             result["disk_bytes"] = sum(p.stat().st_size for p in written)
+            shutil.rmtree(ddir, ignore_errors=True)  # 17 GB for the 8B shape: the next mode needs the disk
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -314,21 +355,39 @@ def vllm_main(argv: list[str]) -> None:
 
     results: dict[str, Any] = {}
     modes = [m for m in VLLM_MODES if m in args.modes.split(",")]
-    for mode in modes:  # each in a fresh process: a clean device and no leftover engine state
-        part = out.with_name(f"{out.stem}.{mode}.json")
-        cmd = [sys.executable, __file__, *_replace_opt(_replace_opt(argv, "--backend", mode), "--out", str(part))]
-        print("running", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, timeout=args.timeout)
-        if proc.returncode != 0 or not part.is_file():
-            results[mode] = {"error": f"exit code {proc.returncode}"}
-            continue
-        results[mode] = json.loads(part.read_text())
+    # one folder for every mode (random weights: the checkpoint is written once), removed at the end unless given
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="eagle3-vllm-bench-"))
+    argv = _replace_opt(argv, "--workdir", str(work))
+    checkpoint_s = None
+    try:
+        if args.weights == "random":  # the config and the checkpoint, before any clock of a mode starts
+            t = time.time()
+            _vllm_setup(args, work)
+            checkpoint_s = round(time.time() - t, 1)
+        for mode in modes:  # each in a fresh process: a clean device and no leftover engine state
+            part = out.with_name(f"{out.stem}.{mode}.json")
+            cmd = [sys.executable, __file__, *_replace_opt(_replace_opt(argv, "--backend", mode), "--out", str(part))]
+            print("running", " ".join(cmd), flush=True)
+            try:
+                proc = subprocess.run(cmd, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                results[mode] = {"error": f"not finished within {args.timeout} s"}
+                continue
+            if proc.returncode != 0 or not part.is_file():
+                results[mode] = {"error": f"exit code {proc.returncode}"}
+                continue
+            results[mode] = json.loads(part.read_text())
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
     base = results.get("vllm-prefill", {}).get("tokens_per_s")
     summary = {m: results[m].get("tokens_per_s") for m in modes}
     ratios = {m: round(summary[m] / base, 3) for m in ("vllm-native", "vllm-worker") if base and summary.get(m)}
-    final = {"tokens_per_s": summary, "ratio_vs_prefill": ratios, "goal": ">= 0.95", "modes": results,
+    probes = {m: results[m]["probe"] for m in modes if "probe" in results[m]}
+    final = {"tokens_per_s": summary, "ratio_vs_prefill": ratios, "goal": ">= 0.95", "weights": args.weights,
+             "checkpoint_write_s": checkpoint_s, "probe": probes, "modes": results,
              "versions": {"torch": torch.__version__, "vllm": _vllm_version(), "python": platform.python_version()}}
-    print(json.dumps({"tokens_per_s": summary, "ratio_vs_prefill": ratios}, indent=2))
+    print(json.dumps({"tokens_per_s": summary, "ratio_vs_prefill": ratios, "probe": probes}, indent=2))
     out.write_text(json.dumps(final, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -26,6 +26,12 @@
 #               copied) at train.train_fraction = each of CURVE (default "0.25 0.5 1"): validation EAL vs training
 #               rows and tokens from one extraction (each fork's draft/result.json: train_rows, train_tokens, val_eal;
 #               the data-volume curve of issues 21 and 26). The 1.5B: ~600 s of stages 00-04, then ~175/220/315 s
+#   modes       GPU 0: $CONFIG's stages 00, 01, 02, 04 offline (unless there), then one epoch of stage 05 on three forks of
+#               that run: reading its shards (offline), with the target beside the draft (online: stages 02/04 again,
+#               cached replies, sample shards only), and from a vLLM producer's bounded spool (spool); then
+#               benchmarks/hidden_state_modes.py writes $RES/online_<run>.json (online_ratio: issue 21)
+#   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
+#               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
 #               when missing), then extraction 1 vs 2 GPUs on disk and in /dev/shm (issue 10)
 # Measured 2026-11-29 on x2: copy + install ~3 min; `recipe_ab` ~24 min (recipe v2: 1,354 s on GPU 0);
@@ -59,14 +65,16 @@ RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
 # the runs' small files: reports, manifests, curves, figures, eval results (no tensors, no checkpoints)
 pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
-  outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* 2>/dev/null; }
+  --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* \
+  outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
 second_gpu() { [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 1 || echo 0; }
 # eagle3 run on one GPU: $1 = GPU, $2 = log name, the rest = arguments; the log ends with the exit code and seconds
+# (LIMIT: its seconds, default 1800)
 run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$gpu timeout 1800 python3 -m eagle3lib.cli run --config "$CONFIG" "$@" > "$RES/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpu timeout "${LIMIT:-1800}" python3 -m eagle3lib.cli run --config "$CONFIG" "$@" > "$RES/$name.log" 2>&1
   echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
 
 # the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults, session 3) as 1, 2
@@ -75,8 +83,9 @@ GEN_RECIPE='{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture
 bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/generate.py --config "$CONFIG" \
   --prompts 4096 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines 1 2 4 \
   --out "$RES/generate_h200.json" > "$RES/bench_generate.log" 2>&1; }
-bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/extract.py --backend vllm-all \
-  --modes vllm-prefill,vllm-native,vllm-worker --multiprocess --timeout 190 \
+# random weights (a 16 GB checkpoint written once, loaded by each mode): the capture probe runs and is timed
+bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/extract.py --backend vllm-all \
+  --modes vllm-prefill,vllm-native,vllm-worker --multiprocess --timeout 240 --weights random \
   --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1; }
 has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
@@ -145,6 +154,27 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
         python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-f$f')"
         run_on 0 "curve_$f" --run "$RUN-f$f" --stages 05 -p "train.train_fraction=$f"
       done
+      ;;
+    modes)
+      has_states "$RUN" || { step "stages 00, 01, 02, 04 of $RUN (offline)"; run_on 0 modes_base --run "$RUN" --stages 00-02,04; }
+      for arm in offline online spool; do
+        step "stage 05, one epoch, hidden states $arm"
+        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-$arm')"
+        case "$arm" in
+        offline) run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 05 -p train.epochs=1 ;;
+        online) run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 -p train.hidden_states=online ;;
+        # the producer's vLLM engine shares the GPU with the trainer (a third of it is plenty for a 135M target); half
+        # the training rows (tokens/s is per token; the producer's engine start is then a larger share)
+        spool) LIMIT=480 run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 -p train.train_fraction=0.5 \
+          -p train.hidden_states=spool -p extract.backend=vllm -p extract.gpu_memory_utilization=0.3 ;;
+        esac
+        python3 benchmarks/hidden_state_modes.py --runs "outputs/$RUN" --out "$RES/online_$RUN.json" \
+          --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): session.sh STEPS=modes, $CONFIG" > "$RES/modes.log" 2>&1
+      done
+      ;;
+    vllm_extract)
+      step "vLLM prefill vs native and worker capture, random 8B checkpoint"
+      bench_vllm 0
       ;;
     benchmarks)
       step "small run, generator settings, arm a (GPU 0) | vLLM prefill/native/worker, arm b: $AB_PARAMS (GPU $g1)"

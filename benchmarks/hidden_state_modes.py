@@ -1,0 +1,95 @@
+"""Benchmark (not a test): offline vs online vs spool hidden states on ONE run's data (issue 21's GPU measurement).
+
+`benchmarks/device/session.sh STEPS=modes` makes the runs this reads, on one machine, one after the other:
+  <run>           stages 00-04 offline (stage 02 extracts every row's states to disk once),
+  <run>-offline   a fork of it: stage 05, one epoch, reading those shards,
+  <run>-online    a fork: stages 02/04/05 with train.hidden_states=online (stage 02 reuses the cached replies and writes
+                  shards only for its sample rows; stage 05 runs the target beside the draft, every batch), one epoch,
+  <run>-spool     a fork: the same with train.hidden_states=spool and a vLLM producer (extract.backend=vllm), one epoch.
+The forks share the base run's files by hard links (eagle3lib.rundir.fork_run): no bytes copied.
+
+Figures (per token, so the 5% validation rows stage 02 also extracts do not skew them):
+  offline combined tok/s = 1 / (1 / stage 02's capture tok/s + 1 / one epoch's training tok/s): extracting once and
+                           training once;
+  online_ratio           = the online epoch's tok/s / offline combined (goal >= 0.9, with <= 2 GB of states on disk);
+  spool_ratio            = the same for the spool epoch.
+
+    python benchmarks/hidden_state_modes.py --runs outputs/smollm2-h200 --out benchmarks/results/online_smollm2_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+GOAL_RATIO = 0.9
+GOAL_STATE_BYTES = 2e9
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _stage_seconds(run: Path) -> dict[str, float]:
+    return {p.stem: _json(p).get("seconds") for p in sorted((run / "manifests").glob("*.json"))}
+
+
+def arm(run: Path) -> dict[str, Any]:
+    """One fork's stage 05 figures (draft/result.json) and the states its stage 02 left on disk for it."""
+    res = _json(run / "draft" / "result.json")
+    m02 = _json(run / "manifests" / "02_extract_hidden_states.json").get("metrics", {})
+    out = {k: res.get(k) for k in ("hidden_states", "epochs_done", "train_tokens", "train_seconds", "tokens_per_s",
+                                   "val_eal", "val_eal_untrained", "phase_seconds", "online_target", "spool")
+           if k in res}
+    out["state_disk_bytes"] = m02.get("bytes")  # online / spool: the sample rows' shards only
+    out["stage_seconds"] = _stage_seconds(run)
+    return out
+
+
+def summarize(base: Path) -> dict[str, Any]:
+    m02 = _json(base / "manifests" / "02_extract_hidden_states.json").get("metrics", {})
+    ext = m02.get("extract", {})
+    arms = {name: arm(base.with_name(f"{base.name}-{name}")) for name in ("offline", "online", "spool")}
+    arms = {k: v for k, v in arms.items() if v.get("tokens_per_s")}
+    result: dict[str, Any] = {
+        "run": base.name,
+        "offline": {"extract_tokens": ext.get("computed_tokens"), "extract_seconds": ext.get("capture_seconds"),
+                    "extract_tokens_per_s": ext.get("tokens_per_s"), "state_disk_bytes": m02.get("bytes"),
+                    "base_stage_seconds": _stage_seconds(base)},
+        "arms": arms,
+    }
+    train = arms.get("offline", {}).get("tokens_per_s")
+    capture = ext.get("tokens_per_s")
+    if train and capture:
+        combined = 1 / (1 / capture + 1 / train)
+        result["offline"]["train_tokens_per_s"] = round(train, 1)
+        result["offline"]["combined_tokens_per_s"] = round(combined, 1)
+        for name, key in (("online", "online_ratio"), ("spool", "spool_ratio")):
+            if name in arms:
+                result[key] = round(arms[name]["tokens_per_s"] / combined, 3)
+    if "online_ratio" in result:
+        disk = arms["online"].get("state_disk_bytes") or 0
+        met = result["online_ratio"] >= GOAL_RATIO and disk <= GOAL_STATE_BYTES
+        result["goal"] = (f"online_ratio >= {GOAL_RATIO} with <= {GOAL_STATE_BYTES / 1e9:.0f} GB of states on disk: "
+                          f"{'met' if met else 'not met'} ({result['online_ratio']}; {disk / 1e9:.2f} GB)")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", required=True, help="the base run folder (its forks sit beside it: <run>-offline, ...)")
+    ap.add_argument("--note", default="", help="what ran, on which machine, at which commit")
+    ap.add_argument("--out", required=True, help="JSON result path")
+    args = ap.parse_args()
+    result = {"note": args.note, **summarize(Path(args.runs))}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result.get(k) for k in ("online_ratio", "spool_ratio", "goal")}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
