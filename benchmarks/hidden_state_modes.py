@@ -77,16 +77,50 @@ def summarize(base: Path) -> dict[str, Any]:
     return result
 
 
+def draw(base: Path, result: dict[str, Any], path: Path) -> None:
+    """Two panels: each arm's training loss per step (same seed, same batches: the curves should coincide), and
+    the throughputs the ratio is made of."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name in result["arms"]:
+        steps = _json(base.with_name(f"{base.name}-{name}") / "draft" / "curves.json").get("steps", [])
+        if steps:
+            ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], lw=0.8, alpha=0.8,
+                    label=f"{name} (validation EAL {result['arms'][name]['val_eal']:.3f})")
+    ax.set(xlabel="training step", ylabel="loss (sum over TTT steps)", yscale="log", title="one epoch, same seed")
+    ax.legend()
+    off = result["offline"]
+    bars = {"offline: capture": off.get("extract_tokens_per_s"), "offline: train": off.get("train_tokens_per_s"),
+            "offline: both": off.get("combined_tokens_per_s")}
+    bars.update({f"{name}: train": arm["tokens_per_s"] for name, arm in result["arms"].items() if name != "offline"})
+    bars = {k: v for k, v in bars.items() if v}
+    bx.barh(list(bars), [v / 1e3 for v in bars.values()], color=["#999", "#999", "#555", "#2a7", "#27a"][:len(bars)])
+    for i, v in enumerate(bars.values()):
+        bx.text(v / 1e3, i, f" {v / 1e3:,.1f}k", va="center")
+    ratio = f"online_ratio {result['online_ratio']}" if "online_ratio" in result else ""
+    bx.set(xlabel="thousand tokens / s (per token: 'both' = 1 / (1/capture + 1/train))", title=ratio)
+    bx.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", required=True, help="the base run folder (its forks sit beside it: <run>-offline, ...)")
     ap.add_argument("--note", default="", help="what ran, on which machine, at which commit")
-    ap.add_argument("--out", required=True, help="JSON result path")
+    ap.add_argument("--out", required=True, help="JSON result path (and its figure: the same name, .png)")
     args = ap.parse_args()
     result = {"note": args.note, **summarize(Path(args.runs))}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    if result["arms"]:
+        draw(Path(args.runs), result, out.with_suffix(".png"))
     print(json.dumps({k: result.get(k) for k in ("online_ratio", "spool_ratio", "goal")}, indent=2))
     print(f"wrote {out}")
 

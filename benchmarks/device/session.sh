@@ -46,6 +46,9 @@
 # Measured 2026-12-02 (session 10), STEPS=eagle1 with the 1.5B config (EAGLE1_LAYER=27; three servers in stage 06):
 # a first call that got no machine cost 91 s; then ready after ~310 s, convert 57 s, the run 1,271 s (02 422 on a
 # slower machine, 05 270, 06 456): 1,710 s of 1,800 with 3 polls.
+# Measured 2026-12-02 (session 11), STEPS="vllm_extract modes" with the SmolLM2 config: ready after 183 s (4 copies +
+# install 79 s), convert 33 s, vllm_extract 327 s, modes' base stages 597 s (02: 505), the offline arm 303 s, the online
+# arm 340 s; the spool arm (the last) was cut by the 1,800 s. Run `modes` alone to get the spool arm.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}

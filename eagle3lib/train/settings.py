@@ -72,8 +72,12 @@ def probe_fused_loss(device: str = "cuda") -> tuple[bool, str]:
         loss, grad = run("fused", compiled=True)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the point of the probe
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        return False, f"fused loss failed under torch.compile: {e.__class__.__name__}: {msg[:160]}"
+        # torch.compile ends its messages with advice lines ("Set TORCHDYNAMO_VERBOSE=1 ..."): the cause is the
+        # last line before them (seen on the H200, sessions 9-11: only the advice was kept, the cause lost)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith(
+            ("Set TORCHDYNAMO", "For even more developer context", "You can suppress", "import torch._dynamo"))]
+        msg = lines[-1] if lines else ""
+        return False, f"fused loss failed under torch.compile: {e.__class__.__name__}: {msg[:200]}"
     if not torch.allclose(loss, ref_loss, rtol=1e-3, atol=1e-4) or not torch.allclose(grad, ref_grad, rtol=1e-2,
                                                                                         atol=1e-5):
         return False, f"fused loss disagrees with eager ({loss.item():.6f} vs {ref_loss.item():.6f})"
