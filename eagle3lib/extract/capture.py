@@ -410,6 +410,7 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
                 report = capture_probe.run(cfg, on, model_dir, layer_ids, hidden_size, input_ids, probe_dir,
                                            capture_probe.compute_dtype(cfg, on), progress)
                 metrics["probe"] = {"passed": report["passed"], "seconds": report["seconds"],
+                                    "phase_seconds": report["phase_seconds"],
                                     "summary": capture_probe.summary_line(report)}
 
         try:

@@ -192,6 +192,7 @@ class Observed:
     paths: list[SecondPath]
     head: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None  # embed, norm, lm_head, eps
     notes: list[str]
+    seconds: dict[str, float] = field(default_factory=dict)  # where the probe's time went, by phase
 
 
 @dataclass
@@ -275,6 +276,8 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
     engine: dict[int, EngineDist] = {}
     paths: list[SecondPath] = []
     is_vllm = hasattr(backend, "logging")
+    seconds: dict[str, float] = {}
+    t_phase = time.perf_counter()
     with ExitStack() as stack:
         hooks = None
         if hasattr(backend, "worker_hooks"):  # the native engine: the capture worker's hooks beside its connector
@@ -306,6 +309,8 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
                 hook_path.states = _read_states(got.items(), token_ids, {})
             except Exception as e:  # noqa: BLE001
                 hook_path.note = f"could not run: {e}"
+    seconds["capture"] = time.perf_counter() - t_phase
+    t_phase = time.perf_counter()
     if is_vllm:
         engine = {r: _dist_from_vllm(outputs[r], len(t)) for r, t in rows if r in outputs}
         engine_name = "vLLM logprobs of the same engine and forwards (prompt logprobs on the first row)"
@@ -329,10 +334,15 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
         engine_name = ""
         notes.append(f"final-state check skipped: the {type(backend).__name__} backend gives the probe no "
                      "next-token distribution (e.g. a vllm serve endpoint)")
+    seconds["engine_distribution"] = time.perf_counter() - t_phase
+    t_phase = time.perf_counter()
     if is_vllm or not hasattr(backend, "reference_forward"):
         paths.append(_transformers_reference(cfg, model_dir, ref_ids, rows))
+    seconds["transformers_reference"] = time.perf_counter() - t_phase
+    t_phase = time.perf_counter()
     head = _checkpoint_head(model_dir, notes)
-    return Observed(rows, states, file_ids, engine, engine_name, paths, head, notes)
+    seconds["checkpoint_head"] = time.perf_counter() - t_phase
+    return Observed(rows, states, file_ids, engine, engine_name, paths, head, notes, seconds)
 
 
 def _transformers_reference(cfg: WorkbookConfig, model_dir: Path, ids: list[int],
@@ -564,10 +574,13 @@ def run(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int]
     rows = [(i, list(input_ids[i])) for i in probe_rows(input_ids, cfg.extract.probe_rows)]
     obs = observe(cfg, backend, Path(model_dir), list(layer_ids), rows)
     tol_class = tolerance_class(compute_dtype, cfg.extract.dtype)
+    t_checks = time.perf_counter()
     checks = judge(obs, list(layer_ids), hidden, tol_class)
+    obs.seconds["checks"] = time.perf_counter() - t_checks
     passed = all(c.ok for c in checks)
     report = {
         "passed": passed, "seconds": round(time.perf_counter() - t0, 2),
+        "phase_seconds": {k: round(v, 3) for k, v in obs.seconds.items()},
         "backend": _backend_name(cfg, backend), "rows": [r for r, _ in rows],
         "tokens": sum(len(t) for _, t in rows), "layer_ids": list(layer_ids),
         "dtype": {"compute": compute_dtype, "storage": cfg.extract.dtype, "tolerances": tol_class},
