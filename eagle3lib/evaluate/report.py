@@ -194,6 +194,21 @@ def _probe_line(rd: RunDir) -> str:
     return summary_line(read_report(rd.root))
 
 
+def _demo_scale_note(man: dict[str, dict[str, Any]]) -> list[str]:
+    """What a draft trained on the CPU is and is not (every CPU run is demo scale: a few hundred rows in minutes),
+    with where the GPU recipes' figures are. The serve step's own note (serve_report.headline) says it for speeds."""
+    m05 = man.get("05", {}).get("metrics", {})
+    if (m05.get("resolved") or {}).get("device") != "cpu":
+        return []
+    m02 = man.get("02", {}).get("metrics", {})
+    return [f"> **Demo-scale draft**: trained on the CPU on {_fmt(m02.get('samples'))} conversations "
+            f"({_fmt(m02.get('tokens'))} tokens). It shows that every stage runs and checks itself end to end, not "
+            "what a draft can do: expect τ near 1 and no speedup at this scale (acceptance grows with the data; the "
+            "GPU recipes train on ~7M tokens and reach τ 1.5-2.4 in vLLM). The GPU recipes' report cards "
+            f"are committed under `{serve_report.GPU_CARDS}` (`recipe_h200*_report.md`, `recipe_qwen15_h200*_report.md`).",
+            ""]
+
+
 def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> str:
     man = read_manifests(rd)
     m02 = man.get("02", {}).get("metrics", {})
@@ -201,6 +216,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     latest = max(man.values(), key=lambda m: m.get("finished_at", "")) if man else {}
     out: list[str] = [f"# Report card: run `{rd.cfg.run.name}`", ""]
     out += serve_report.headline((results or {}).get("serve"))  # first: does the draft make a server faster
+    out += _demo_scale_note(man)
     out.append(f"Written {datetime.now(UTC).isoformat(timespec='seconds')} · git {latest.get('git_sha') or '—'} · "
                f"host {latest.get('host') or '—'} · folder `{rd.root}`")
     out.append("")

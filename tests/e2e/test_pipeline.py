@@ -76,6 +76,9 @@ def test_training_and_evaluation_results(pipeline_run):
     report = (pipeline_run / "report.md").read_text()
     assert "embedded" in report and "[2, 15, 27, 30]" in report
     assert "capture probe passed (transformers, 4 rows" in report  # stage 02's probe, in one line
+    # a CPU-trained draft says what it is before anything else is read, and where the GPU recipes' cards are
+    note = report.index("**Demo-scale draft**: trained on the CPU")
+    assert note < report.index("## Target and data") and "benchmarks/results/" in report[note:note + 600]
     assert "vllm n-gram (no draft)" in ev["tau"] and "vllm n-gram (no draft)" in report  # the draft-free baseline
     results = json.loads((pipeline_run / "eval" / "results.json").read_text())
     assert results["ngram"]["identical_to_embedded"] == 2  # n-gram lookup is lossless too
