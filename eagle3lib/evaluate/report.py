@@ -195,7 +195,7 @@ def _probe_line(rd: RunDir) -> str:
 
 
 def _demo_scale_note(man: dict[str, dict[str, Any]]) -> list[str]:
-    """What a draft trained on the CPU is and is not (every CPU run is demo scale: a few hundred rows in minutes),
+    """What a draft trained on the CPU is and is not (every CPU run is demo scale: tens to hundreds of rows in minutes),
     with where the GPU recipes' figures are. The serve step's own note (serve_report.headline) says it for speeds."""
     m05 = man.get("05", {}).get("metrics", {})
     if (m05.get("resolved") or {}).get("device") != "cpu":
