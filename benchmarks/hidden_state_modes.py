@@ -14,7 +14,8 @@ Figures (per token, so the 5% validation rows stage 02 also extracts do not skew
   online_ratio           = the online epoch's tok/s / offline combined (goal >= 0.9, with <= 2 GB of states on disk);
   spool_ratio            = the same for the spool epoch.
 
-    python benchmarks/hidden_state_modes.py --runs outputs/smollm2-h200 --out benchmarks/results/online_smollm2_h200.json
+    python benchmarks/hidden_state_modes.py --runs outputs/smollm2-h200 \
+        --out benchmarks/results/online_smollm2_h200.json
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@
 #               copied) at train.train_fraction = each of CURVE (default "0.25 0.5 1"): validation EAL vs training
 #               rows and tokens from one extraction (each fork's draft/result.json: train_rows, train_tokens, val_eal;
 #               the data-volume curve of issues 21 and 26). The 1.5B: ~600 s of stages 00-04, then ~175/220/315 s
-#   modes       GPU 0: $CONFIG's stages 00, 01, 02, 04 offline (unless there), then one epoch of stage 05 on three forks of
-#               that run: reading its shards (offline), with the target beside the draft (online: stages 02/04 again,
+#   modes       GPU 0: $CONFIG's stages 00, 01, 02, 04 offline (unless there), then one epoch of stage 05 on three
+#               forks of that run: reading its shards (offline), with the target beside the draft (online: stages 02/04 again,
 #               cached replies, sample shards only), and from a vLLM producer's bounded spool (spool); then
 #               benchmarks/hidden_state_modes.py writes $RES/online_<run>.json (online_ratio: issue 21)
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
@@ -77,7 +77,8 @@ second_gpu() { [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 1 || echo 0; }
 # eagle3 run on one GPU: $1 = GPU, $2 = log name, the rest = arguments; the log ends with the exit code and seconds
 # (LIMIT: its seconds, default 1800)
 run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$gpu timeout "${LIMIT:-1800}" python3 -m eagle3lib.cli run --config "$CONFIG" "$@" > "$RES/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpu timeout "${LIMIT:-1800}" python3 -m eagle3lib.cli run --config "$CONFIG" "$@" \
+    > "$RES/$name.log" 2>&1
   echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
 
 # the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults, session 3) as 1, 2
@@ -159,17 +160,20 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       done
       ;;
     modes)
-      has_states "$RUN" || { step "stages 00, 01, 02, 04 of $RUN (offline)"; run_on 0 modes_base --run "$RUN" --stages 00-02,04; }
+      has_states "$RUN" || { step "stages 00, 01, 02, 04 of $RUN (offline)"
+                             run_on 0 modes_base --run "$RUN" --stages 00-02,04; }
       for arm in offline online spool; do
         step "stage 05, one epoch, hidden states $arm"
         python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-$arm')"
         case "$arm" in
         offline) run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 05 -p train.epochs=1 ;;
-        online) run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 -p train.hidden_states=online ;;
+        online) run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 \
+          -p train.hidden_states=online ;;
         # the producer's vLLM engine shares the GPU with the trainer (a third of it is plenty for a 135M target); half
         # the training rows (tokens/s is per token; the producer's engine start is then a larger share)
-        spool) LIMIT=480 run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 -p train.train_fraction=0.5 \
-          -p train.hidden_states=spool -p extract.backend=vllm -p extract.gpu_memory_utilization=0.3 ;;
+        spool) LIMIT=480 run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 \
+          -p train.train_fraction=0.5 -p train.hidden_states=spool -p extract.backend=vllm \
+          -p extract.gpu_memory_utilization=0.3 ;;
         esac
         python3 benchmarks/hidden_state_modes.py --runs "outputs/$RUN" --out "$RES/online_$RUN.json" \
           --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): session.sh STEPS=modes, $CONFIG" > "$RES/modes.log" 2>&1

@@ -204,8 +204,9 @@ def _demo_scale_note(man: dict[str, dict[str, Any]]) -> list[str]:
     return [f"> **Demo-scale draft**: trained on the CPU on {_fmt(m02.get('samples'))} conversations "
             f"({_fmt(m02.get('tokens'))} tokens). It shows that every stage runs and checks itself end to end, not "
             "what a draft can do: expect τ near 1 and no speedup at this scale (acceptance grows with the data; the "
-            "GPU recipes train on ~7M tokens and reach τ 1.5-2.4 in vLLM). The GPU recipes' report cards "
-            f"are committed under `{serve_report.GPU_CARDS}` (`recipe_h200*_report.md`, `recipe_qwen15_h200*_report.md`).",
+            "GPU recipes train on ~7M tokens and reach τ 1.5-2.4 in vLLM). The GPU recipes' report cards are "
+            f"committed under `{serve_report.GPU_CARDS}` (`recipe_h200*_report.md`, "
+            "`recipe_qwen15_h200*_report.md`).",
             ""]
 
 

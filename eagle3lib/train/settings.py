@@ -72,11 +72,12 @@ def probe_fused_loss(device: str = "cuda") -> tuple[bool, str]:
         loss, grad = run("fused", compiled=True)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the point of the probe
-        # torch.compile ends its messages with advice lines ("Set TORCHDYNAMO_VERBOSE=1 ..."): the cause is the
-        # last line before them (seen on the H200, sessions 9-11: only the advice was kept, the cause lost)
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith(
-            ("Set TORCHDYNAMO", "For even more developer context", "You can suppress", "import torch._dynamo"))]
-        msg = lines[-1] if lines else ""
+        # torch.compile's messages open with the cause ("backend='inductor' raised:" then it), then "from user
+        # code:" and advice lines ("Set TORCHDYNAMO_VERBOSE=1 ..."): keep the opening (the H200's reason line kept
+        # only the advice, sessions 9-11)
+        head = str(e).strip().split("\nfrom user code:")[0].split("\nSet TORCHDYNAMO")[0]
+        lines = [ln.strip() for ln in head.splitlines() if ln.strip()]
+        msg = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
         return False, f"fused loss failed under torch.compile: {e.__class__.__name__}: {msg[:200]}"
     if not torch.allclose(loss, ref_loss, rtol=1e-3, atol=1e-4) or not torch.allclose(grad, ref_grad, rtol=1e-2,
                                                                                         atol=1e-5):
