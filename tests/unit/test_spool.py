@@ -291,9 +291,15 @@ def test_sigterm_or_ctrl_c_mid_epoch_stops_the_producer_and_empties_the_spool(tm
             os.kill(os.getpid(), sig)
 
     thread = threading.Thread(target=signal_when_stalled, daemon=True)
-    thread.start()
-    with pytest.raises(KeyboardInterrupt):
-        train.train(rd, progress=False)
+    # Ctrl-C as a terminal's Python gets it (KeyboardInterrupt), whatever this test process inherited: in a CI run the
+    # pytest-xdist worker once had another SIGINT disposition, the signal changed nothing and the stall ran out
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        thread.start()
+        with pytest.raises(KeyboardInterrupt):
+            train.train(rd, progress=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     thread.join()
     assert seen, "no spool producer was running"
     gone, alive = psutil.wait_procs(seen, timeout=30)
