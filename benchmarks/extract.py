@@ -40,14 +40,11 @@ LLAMA_31_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_head
 TINY = dict(layers=4, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=1024)
 
 
-def build_target(shape: dict, dtype: torch.dtype, device: str):
-    """A random-weight LlamaForCausalLM of `shape`, built directly on `device` in `dtype` (no fp32 copy)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def random_llama(cfg: Any, dtype: torch.dtype, device: str):
+    """A random-weight (seed 0) LlamaForCausalLM of config `cfg`, built directly on `device` in `dtype` (no fp32
+    copy)."""
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["kv_heads"], max_position_embeddings=8192, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -57,6 +54,17 @@ def build_target(shape: dict, dtype: torch.dtype, device: str):
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
+
+
+def build_target(shape: dict, dtype: torch.dtype, device: str):
+    """A random-weight LlamaForCausalLM of `shape` (sdpa attention) on `device` in `dtype`."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                      num_key_value_heads=shape["kv_heads"], max_position_embeddings=8192, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    return random_llama(cfg, dtype, device)
 
 
 def sync(device: str) -> None:
@@ -206,22 +214,15 @@ def vllm_args(argv: list[str]) -> argparse.Namespace:
 
 
 def write_random_checkpoint(model_dir: Path) -> None:
-    """Random bf16 weights (transformers' own init, built on the GPU when there is one) for the config.json in
-    `model_dir`, saved there as safetensors (once: kept when there). Every mode loads the same weights, so prefill and
-    capture compute the same thing."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    """Random bf16 weights (`random_llama`, built on the GPU when there is one) for the config.json in `model_dir`,
+    saved there as safetensors (once: kept when there). Every mode loads the same weights, so prefill and capture
+    compute the same thing."""
+    from transformers import AutoConfig
 
     if any(model_dir.glob("*.safetensors")):
         return
-    config = AutoConfig.from_pretrained(model_dir)
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(prev)
+    model = random_llama(AutoConfig.from_pretrained(model_dir), torch.bfloat16,
+                         "cuda" if torch.cuda.is_available() else "cpu")
     model.save_pretrained(model_dir, max_shard_size="4GB")
     del model
     if torch.cuda.is_available():

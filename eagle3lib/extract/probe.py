@@ -277,7 +277,13 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
     paths: list[SecondPath] = []
     is_vllm = hasattr(backend, "logging")
     seconds: dict[str, float] = {}
-    t_phase = time.perf_counter()
+    mark = time.perf_counter()
+
+    def lap(phase: str) -> None:  # the seconds since the last lap, as `phase`
+        nonlocal mark
+        now = time.perf_counter()
+        seconds[phase], mark = now - mark, now
+
     with ExitStack() as stack:
         hooks = None
         if hasattr(backend, "worker_hooks"):  # the native engine: the capture worker's hooks beside its connector
@@ -309,8 +315,7 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
                 hook_path.states = _read_states(got.items(), token_ids, {})
             except Exception as e:  # noqa: BLE001
                 hook_path.note = f"could not run: {e}"
-    seconds["capture"] = time.perf_counter() - t_phase
-    t_phase = time.perf_counter()
+    lap("capture")
     if is_vllm:
         engine = {r: _dist_from_vllm(outputs[r], len(t)) for r, t in rows if r in outputs}
         engine_name = "vLLM logprobs of the same engine and forwards (prompt logprobs on the first row)"
@@ -334,14 +339,12 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
         engine_name = ""
         notes.append(f"final-state check skipped: the {type(backend).__name__} backend gives the probe no "
                      "next-token distribution (e.g. a vllm serve endpoint)")
-    seconds["engine_distribution"] = time.perf_counter() - t_phase
-    t_phase = time.perf_counter()
+    lap("engine_distribution")
     if is_vllm or not hasattr(backend, "reference_forward"):
         paths.append(_transformers_reference(cfg, model_dir, ref_ids, rows))
-    seconds["transformers_reference"] = time.perf_counter() - t_phase
-    t_phase = time.perf_counter()
+    lap("transformers_reference")
     head = _checkpoint_head(model_dir, notes)
-    seconds["checkpoint_head"] = time.perf_counter() - t_phase
+    lap("checkpoint_head")
     return Observed(rows, states, file_ids, engine, engine_name, paths, head, notes, seconds)
 
 

@@ -291,8 +291,9 @@ def test_sigterm_or_ctrl_c_mid_epoch_stops_the_producer_and_empties_the_spool(tm
             os.kill(os.getpid(), sig)
 
     thread = threading.Thread(target=signal_when_stalled, daemon=True)
-    # Ctrl-C as a terminal's Python gets it (KeyboardInterrupt), whatever this test process inherited: in a CI run the
-    # pytest-xdist worker once had another SIGINT disposition, the signal changed nothing and the stall ran out
+    # Ctrl-C as a terminal's Python gets it (KeyboardInterrupt), however the suite was started: a suite launched in
+    # the background by a non-interactive shell inherits SIGINT ignored (Python then installs no handler), and the
+    # signal changed nothing once (seen: `(bash -c 'make test' &)`)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         thread.start()
