@@ -12,7 +12,9 @@ Figures (per token, so the 5% validation rows stage 02 also extracts do not skew
   offline combined tok/s = 1 / (1 / stage 02's capture tok/s + 1 / one epoch's training tok/s): extracting once and
                            training once;
   online_ratio           = the online epoch's tok/s / offline combined (goal >= 0.9, with <= 2 GB of states on disk);
-  spool_ratio            = the same for the spool epoch.
+  spool_ratio            = the same for the spool epoch;
+  spool_vs_online        = the spool epoch's tok/s / the online epoch's (also without an offline arm: ARMS="online
+                           spool" in session.sh).
 
     python benchmarks/hidden_state_modes.py --runs outputs/smollm2-h200 \
         --out benchmarks/results/online_smollm2_h200.json
@@ -70,6 +72,8 @@ def summarize(base: Path) -> dict[str, Any]:
         for name, key in (("online", "online_ratio"), ("spool", "spool_ratio")):
             if name in arms:
                 result[key] = round(arms[name]["tokens_per_s"] / combined, 3)
+    if "online" in arms and "spool" in arms:  # the producer against the target beside the trainer, per token
+        result["spool_vs_online"] = round(arms["spool"]["tokens_per_s"] / arms["online"]["tokens_per_s"], 3)
     if "online_ratio" in result:
         disk = arms["online"].get("state_disk_bytes") or 0
         met = result["online_ratio"] >= GOAL_RATIO and disk <= GOAL_STATE_BYTES
@@ -122,7 +126,7 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     if result["arms"]:
         draw(Path(args.runs), result, out.with_suffix(".png"))
-    print(json.dumps({k: result.get(k) for k in ("online_ratio", "spool_ratio", "goal")}, indent=2))
+    print(json.dumps({k: result.get(k) for k in ("online_ratio", "spool_ratio", "spool_vs_online", "goal")}, indent=2))
     print(f"wrote {out}")
 
 

@@ -29,7 +29,11 @@
 #   modes       GPU 0: $CONFIG's stages 00, 01, 02, 04 offline (unless there), then one epoch of stage 05 on three
 #               forks of that run: reading its shards (offline), with the target beside the draft (online: stages 02/04 again,
 #               cached replies, sample shards only), and from a vLLM producer's bounded spool (spool); then
-#               benchmarks/hidden_state_modes.py writes $RES/online_<run>.json (online_ratio: issue 21)
+#               benchmarks/hidden_state_modes.py writes $RES/online_<run>.json (online_ratio: issue 21). ARMS picks
+#               the forks (default "offline online spool"; without offline the base runs stage 02 online: no full
+#               capture); MODES_SMALL=1 uses the small run's data (bundled x8 + 4,000 self-instruct) instead
+#   generate    GPU 0: the generator benchmark alone (1, 2 and 4 vLLM engines side by side: does stage 02's
+#               generation, ~85% of it on the recipe, scale with engines on one GPU?)
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
@@ -69,7 +73,8 @@ RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
 pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
   --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* \
-  outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool 2>/dev/null; }
+  outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
+  outputs/$SRUN-spool 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -84,9 +89,9 @@ run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
 # the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults, session 3) as 1, 2
 # and 4 engines side by side on one GPU: does a small target's generation scale with engines (CPU-bound steps)?
 GEN_RECIPE='{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}'
-bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/generate.py --config "$CONFIG" \
-  --prompts 4096 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines 1 2 4 \
-  --out "$RES/generate_h200.json" > "$RES/bench_generate.log" 2>&1; }
+bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/generate.py --config "$CONFIG" \
+  --prompts 8192 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines 1 2 4 --timeout 240 \
+  --out "$RES/generate_engines_h200.json" > "$RES/bench_generate.log" 2>&1; }
 # random weights (a 16 GB checkpoint written once, loaded by each mode): the capture probe runs and is timed
 bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/extract.py --backend vllm-all \
   --modes vllm-prefill,vllm-native,vllm-worker --multiprocess --timeout 240 --weights random \
@@ -108,8 +113,9 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q\n' "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" \
-    "${EAGLE1_LAYER:-29}" "${CURVE:-0.25 0.5 1}" > "$RES/plan.env"
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q\n' "$CONFIG" "$RUN" \
+    "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-0.25 0.5 1}" "${ARMS:-offline online spool}" \
+    "${MODES_SMALL:-0}" > "$RES/plan.env"
   setsid nohup bash benchmarks/device/session.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
   sleep 20; cat "$RES/plan.log"
   ;;
@@ -128,6 +134,7 @@ poll)
   ;;
 plan)
   source /tmp/eagle3-env.sh
+  lscpu > "$RES/lscpu.txt" 2>&1  # the host's CPU: the probe's head check and vLLM's scheduling run on it
   # the config's target, converted once (an embedded GGUF), before two runs race: its seconds in convert.log
   step "target of $CONFIG"; t=$(date +%s)
   python3 -c "import sys; from eagle3lib.config import load_config; from eagle3lib.target import resolve_model_path
@@ -160,24 +167,37 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       done
       ;;
     modes)
-      has_states "$RUN" || { step "stages 00, 01, 02, 04 of $RUN (offline)"
-                             run_on 0 modes_base --run "$RUN" --stages 00-02,04; }
-      for arm in offline online spool; do
+      # ARMS: which forks (default all three; a base without the offline arm runs stage 02 online: no full capture,
+      # no 34 GB of shards); MODES_SMALL=1: the small run's data (stage 02 in ~5 min) instead of the recipe's
+      mrun=$RUN; mdata=(); spool_fraction=0.5
+      if [ "${MODES_SMALL:-0}" = 1 ]; then mrun=$SRUN; mdata=("${SMALL[@]}"); spool_fraction=1; fi
+      arms=${ARMS:-offline online spool}
+      base_mode=offline; [[ " $arms " == *" offline "* ]] || base_mode=online
+      has_states "$mrun" || { step "stages 00, 01, 02, 04 of $mrun ($base_mode)"
+                              run_on 0 modes_base --run "$mrun" --stages 00-02,04 "${mdata[@]}" \
+                                -p train.hidden_states=$base_mode; }
+      for arm in $arms; do
         step "stage 05, one epoch, hidden states $arm"
-        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-$arm')"
+        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$mrun', 'outputs/$mrun-$arm')"
         case "$arm" in
-        offline) run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 05 -p train.epochs=1 ;;
-        online) run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 \
+        offline) run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 05 "${mdata[@]}" -p train.epochs=1 ;;
+        online) run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 02,04,05 "${mdata[@]}" -p train.epochs=1 \
           -p train.hidden_states=online ;;
-        # the producer's vLLM engine shares the GPU with the trainer (a third of it is plenty for a 135M target); half
-        # the training rows (tokens/s is per token; the producer's engine start is then a larger share)
-        spool) LIMIT=480 run_on 0 "mode_$arm" --run "$RUN-$arm" --stages 02,04,05 -p train.epochs=1 \
-          -p train.train_fraction=0.5 -p train.hidden_states=spool -p extract.backend=vllm \
+        # the producer's vLLM engine shares the GPU with the trainer (a third of it is plenty for a 135M target); on
+        # the recipe's data half the training rows (tokens/s is per token; the producer's engine start is then a
+        # larger share)
+        spool) LIMIT=480 run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 02,04,05 "${mdata[@]}" -p train.epochs=1 \
+          -p train.train_fraction=$spool_fraction -p train.hidden_states=spool -p extract.backend=vllm \
           -p extract.gpu_memory_utilization=0.3 ;;
         esac
-        python3 benchmarks/hidden_state_modes.py --runs "outputs/$RUN" --out "$RES/online_$RUN.json" \
-          --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): session.sh STEPS=modes, $CONFIG" > "$RES/modes.log" 2>&1
+        python3 benchmarks/hidden_state_modes.py --runs "outputs/$mrun" --out "$RES/online_$mrun.json" \
+          --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): session.sh STEPS=modes ARMS='$arms', $CONFIG" \
+          > "$RES/modes.log" 2>&1
       done
+      ;;
+    generate)
+      step "the generator: 1, 2 and 4 vLLM engines side by side on GPU 0"
+      bench_generate 0
       ;;
     vllm_extract)
       step "vLLM prefill vs native and worker capture, random 8B checkpoint"

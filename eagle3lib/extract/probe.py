@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +66,7 @@ REPORT_FILE = "capture_probe.json"
 FAILED_FILE = "capture_probe.failed.json"
 TOP_K = 5  # engine logprobs asked for per position (vLLM's max_logprobs default is 20)
 POSITIONS_PER_ROW = 64  # positions per row whose next-token distribution is compared (evenly spaced, last included)
+FIRST_ROW_POSITIONS = 256  # ... of the row the engine gives prompt logprobs for (every position: `compared`)
 REFERENCE_TOKENS = 256  # a second path's states are compared on each row's first tokens (causal: the row's own)
 REFERENCE_AUTO_MAX_BYTES = 4 * 1024**3  # vLLM backends: a transformers reference on the CPU up to this checkpoint size
 
@@ -254,14 +256,14 @@ def _dist_from_logits(logits: torch.Tensor, pos: list[int]) -> EngineDist:
     return EngineDist(list(pos), top.indices, top.values)
 
 
-def _checkpoint_head(model_dir: Path, notes: list[str]) -> Any:
+def _checkpoint_head(model_dir: Path) -> Any:
+    """The head, or the WorkbookError that refused it (returned, not raised: it is read on a background thread)."""
     from eagle3lib.verifier.weights import read_checkpoint_head
 
     try:
         return read_checkpoint_head(model_dir)
     except WorkbookError as e:  # e.g. a quantized lm_head: stage 04 refuses it too, with its own message
-        notes.append(f"final-state, embedding and post-norm checks skipped: {e.problem}")
-        return None
+        return e
 
 
 def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int],
@@ -284,6 +286,10 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
         now = time.perf_counter()
         seconds[phase], mark = now - mark, now
 
+    # the head (~2 GB bf16 for an 8B target: embedding and lm_head) is read while the engine captures the probe rows
+    reading = ThreadPoolExecutor(1, thread_name_prefix="probe-head")
+    head_future = reading.submit(_checkpoint_head, model_dir)
+    reading.shutdown(wait=False)
     with ExitStack() as stack:
         hooks = None
         if hasattr(backend, "worker_hooks"):  # the native engine: the capture worker's hooks beside its connector
@@ -343,8 +349,11 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
     if is_vllm or not hasattr(backend, "reference_forward"):
         paths.append(_transformers_reference(cfg, model_dir, ref_ids, rows))
     lap("transformers_reference")
-    head = _checkpoint_head(model_dir, notes)
-    lap("checkpoint_head")
+    head = head_future.result()
+    if isinstance(head, WorkbookError):
+        notes.append(f"final-state, embedding and post-norm checks skipped: {head.problem}")
+        head = None
+    lap("checkpoint_head")  # only what was left to read after the capture and references
     return Observed(rows, states, file_ids, engine, engine_name, paths, head, notes, seconds)
 
 
@@ -453,30 +462,50 @@ def check_structure(obs: Observed, layer_ids: list[int], hidden: int, tol: Toler
     return out
 
 
+def compared(dist: EngineDist, length: int) -> list[int]:
+    """Indices into `dist` of the positions the final-state check compares: at most FIRST_ROW_POSITIONS evenly
+    spaced ones of a row the engine gave every position of (prompt logprobs), else all it gave. Every ~8th token of a
+    2048-token row still lands in every prefill chunk (a wrong chunk is wrong at all its positions), and the head is
+    applied to ~260 positions instead of ~2,050 (a 2,050 x 128k float32 matmul on the CPU took seconds)."""
+    if len(dist.positions) <= FIRST_ROW_POSITIONS:
+        return list(range(len(dist.positions)))
+    wanted = set(positions(length, FIRST_ROW_POSITIONS))
+    return [i for i, q in enumerate(dist.positions) if q in wanted]
+
+
 def check_final(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Check]:
-    """The final slot through the checkpoint's norm and lm_head against the engine's own logprobs."""
+    """The final slot through the checkpoint's norm and lm_head against the engine's own logprobs (the head applied
+    once to every row's compared positions: its bf16 -> float32 conversion is the cost, not the rows)."""
     from eagle3lib.head import final_logits
 
     if obs.head is None or not obs.engine:
         return []
     _, norm_w, lm_head, eps = obs.head
+    picked: list[tuple[int, EngineDist, list[int]]] = []
+    for r, t in obs.rows:
+        dist = obs.engine.get(r)
+        if dist is not None and dist.positions:
+            idx = compared(dist, len(t))
+            picked.append((r, dist, idx))
+    if not picked:
+        return []
+    finals = torch.cat([obs.states[r][[dist.positions[i] for i in idx], -1] for r, dist, idx in picked])
+    all_ours = torch.log_softmax(final_logits(finals, (norm_w, lm_head, eps)), dim=-1).split(
+        [len(idx) for _, _, idx in picked])
     agree = total = 0
     errs: list[float] = []
     per_row: dict[int, tuple[float, float]] = {}
-    for r, _ in obs.rows:
-        dist = obs.engine.get(r)
-        if dist is None or not dist.positions:
-            continue
-        ours = torch.log_softmax(final_logits(obs.states[r][dist.positions, -1], (norm_w, lm_head, eps)), dim=-1)
-        valid = ~torch.isnan(dist.logprobs)
+    for (r, dist, idx), ours in zip(picked, all_ours, strict=True):
+        ids, logprobs = dist.ids[idx], dist.logprobs[idx]
+        valid = ~torch.isnan(logprobs)
         top = ours.argmax(-1)
-        same = top == dist.ids[:, 0]
+        same = top == ids[:, 0]
         # a different argmax is a tie when the engine itself ranks ours within `tie` nats of its own top
-        in_top = dist.ids == top[:, None]
-        engine_lp_of_ours = torch.where(in_top & valid, dist.logprobs, torch.full_like(dist.logprobs, -1e9)).amax(-1)
-        tie = (dist.logprobs[:, 0] - engine_lp_of_ours) <= tol.tie
+        in_top = ids == top[:, None]
+        engine_lp_of_ours = torch.where(in_top & valid, logprobs, torch.full_like(logprobs, -1e9)).amax(-1)
+        tie = (logprobs[:, 0] - engine_lp_of_ours) <= tol.tie
         ok = same | tie
-        err = (ours.gather(1, dist.ids) - dist.logprobs).abs()[valid]
+        err = (ours.gather(1, ids) - logprobs).abs()[valid]
         agree += int(ok.sum())
         total += len(ok)
         errs.extend(err.tolist())

