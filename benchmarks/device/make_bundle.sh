@@ -26,7 +26,8 @@ pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --
   packaging-* psutil-* python_dateutil-* pyyaml-* pyzmq-* requests-* tqdm-* typing_extensions-* tzdata-* urllib3-* pygments-*)
 mv .carry/stage/nbw/*.whl .carry/stage/wheels/
 tar cf .carry/stage/bundle.tar -C .carry/stage payload.tar wheels
-split -b 60M -d -a 2 .carry/stage/bundle.tar "$out/part."
+# 56 MiB: a call carries one chunk AND the working tree (~4 MiB) within its 64 MiB
+split -b 56M -d -a 2 .carry/stage/bundle.tar "$out/part."
 for f in "$out"/part.*; do n=${f##*.}; mkdir -p "$out/c$((10#$n + 1))"; mv "$f" "$out/c$((10#$n + 1))/"; done
 rm -rf .carry/stage
 ls -la "$out"/*
