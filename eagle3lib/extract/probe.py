@@ -88,13 +88,15 @@ class Tolerance:
     cos_min: float  # ... and the lowest token
     embed_cos: float  # the slot of id 0 against the checkpoint's embedding: lowest token
     post_norm: float  # the final slot is post-norm when median |rms(y / w) - 1| over tokens is below this
+    head_16_bit: bool  # the head may be applied in its own 16-bit dtype (as a 16-bit engine does) on an AMX CPU
 
 
 TOLERANCES = {
     "float32": Tolerance(top1=0.99, tie=1e-3, logprob=0.01, cos_mean=0.9999, cos_min=0.999, embed_cos=0.9999,
-                         post_norm=0.01),
+                         post_norm=0.01, head_16_bit=False),
     # bf16/fp16: the states are rounded to 8 (11) mantissa bits, the engine's logits computed from bf16 activations
-    "16-bit": Tolerance(top1=0.9, tie=0.1, logprob=0.1, cos_mean=0.99, cos_min=0.9, embed_cos=0.99, post_norm=0.01),
+    "16-bit": Tolerance(top1=0.9, tie=0.1, logprob=0.1, cos_mean=0.99, cos_min=0.9, embed_cos=0.99, post_norm=0.01,
+                        head_16_bit=True),
 }
 
 # Likely causes, by check (named in the one error message).
@@ -476,6 +478,7 @@ def compared(dist: EngineDist, length: int) -> list[int]:
 def check_final(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Check]:
     """The final slot through the checkpoint's norm and lm_head against the engine's own logprobs (the head applied
     once to every row's compared positions: its bf16 -> float32 conversion is the cost, not the rows)."""
+    from eagle3lib.device import cpu_has_amx
     from eagle3lib.head import final_logits
 
     if obs.head is None or not obs.engine:
@@ -490,7 +493,9 @@ def check_final(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Che
     if not picked:
         return []
     finals = torch.cat([obs.states[r][[dist.positions[i] for i in idx], -1] for r, dist, idx in picked])
-    all_ours = torch.log_softmax(final_logits(finals, (norm_w, lm_head, eps)), dim=-1).split(
+    # bf16 on an AMX CPU: no float32 copy of the head (on the H200's host: 1.0 s of checks in float32)
+    in_bf16 = tol.head_16_bit and lm_head.dtype == torch.bfloat16 and cpu_has_amx()
+    all_ours = torch.log_softmax(final_logits(finals, (norm_w, lm_head, eps), in_head_dtype=in_bf16), dim=-1).split(
         [len(idx) for _, _, idx in picked])
     agree = total = 0
     errs: list[float] = []
@@ -527,6 +532,14 @@ def check_final(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Che
                   tolerance={"top1_agreement": tol.top1, "mean_logprob_error": tol.logprob, "tie": tol.tie})]
 
 
+def _cos_table(states: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Cosines [T, slots, ref layers] of every slot against every reference layer, token by token: each state is
+    normalised once (176 pairwise cosine calls over 2048-token rows took 6 s on the H200's host)."""
+    a = torch.nn.functional.normalize(states[: ref.shape[0]].float(), dim=-1, eps=1e-12)
+    b = torch.nn.functional.normalize(ref.float(), dim=-1, eps=1e-12)
+    return torch.einsum("tsh,tlh->tsl", a, b)
+
+
 def check_layers(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Check]:
     """Every slot against every second path that ran: the mean cosine to its own layer within tolerance, and no
     other captured layer closer."""
@@ -534,6 +547,7 @@ def check_layers(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Ch
     for path in obs.paths:
         if not path.states:
             continue
+        tables = {r: _cos_table(obs.states[r], path.states[r]) for r, _ in obs.rows if r in path.states}
         for j, k in enumerate(layer_ids):
             if k not in path.layer_ids:
                 continue
@@ -542,11 +556,8 @@ def check_layers(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Ch
             worst_row = None
             for i, kk in enumerate(path.layer_ids):
                 cs = []
-                for r, _ in obs.rows:
-                    ref = path.states.get(r)
-                    if ref is None:
-                        continue
-                    c = _cos(obs.states[r][: ref.shape[0], j], ref[:, i])
+                for r, table in tables.items():
+                    c = table[:, j, i]
                     cs.append(c)
                     if kk == k and float(c.min()) < min_cos:
                         min_cos, worst_row = float(c.min()), r

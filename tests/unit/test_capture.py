@@ -222,7 +222,7 @@ def test_the_final_state_check_samples_a_long_row_and_still_sees_one_wrong_prefi
 
     g = torch.Generator().manual_seed(0)
     hidden, vocab, length = 64, 1000, 2048
-    norm_w, lm_head = torch.rand(hidden, generator=g) + 0.5, torch.randn(vocab, hidden, generator=g)
+    norm_w, lm_head = torch.rand(hidden, generator=g) + 0.5, 0.5 * torch.randn(vocab, hidden, generator=g)  # logits ~4
     states = torch.randn(length, 1, hidden, generator=g)
     engine = probe._dist_from_logits(final_logits(states[:, 0], (norm_w, lm_head, 1e-6)), list(range(length)))
     ids = torch.randint(0, vocab, (length,), generator=g).tolist()
@@ -239,6 +239,14 @@ def test_the_final_state_check_samples_a_long_row_and_still_sees_one_wrong_prefi
     for tol in ("float32", "16-bit"):
         bad = final_check(wrong, tol)
         assert not bad.ok and bad.measured["top1_agreement"] < 0.9, (tol, bad.measured)
+    # a bf16 head and bf16 states under the 16-bit tolerances: applied in bf16 on an AMX CPU, converted elsewhere;
+    # either way within half the tolerance (0.1 nats) of the engine's float32 logprobs of the same bf16 tensors
+    lm_head = lm_head.bfloat16()
+    engine = probe._dist_from_logits(final_logits(states.bfloat16()[:, 0], (norm_w, lm_head, 1e-6)),
+                                     list(range(length)))
+    ok = final_check(states.bfloat16(), "16-bit")
+    assert ok.ok and ok.measured["mean_logprob_error"] < 0.05, ok.measured
+    assert not final_check(wrong.bfloat16(), "16-bit").ok
 
 
 def test_a_failing_probe_stops_stage_02_before_its_first_shard(tmp_path, tiny_llama_dir):
