@@ -53,6 +53,10 @@
 # Measured 2026-12-02 (session 11), STEPS="vllm_extract modes" with the SmolLM2 config: ready after 183 s (4 copies +
 # install 79 s), convert 33 s, vllm_extract 327 s, modes' base stages 597 s (02: 505), the offline arm 303 s, the online
 # arm 340 s; the spool arm (the last) was cut by the 1,800 s. Run `modes` alone to get the spool arm.
+# Measured 2026-12-02 (session 12), the SmolLM2 bundle (5 chunks of 56 MiB): ready after 137 s, convert 23-29 s,
+# vllm_extract 300-376 s, generate: 1 engine 129 s, 2 engines 80 s (the 4-engine round cut by the budget). A poll
+# that returned and was NOT followed by the next call within ~30 s (time spent reading its files) gave the machine
+# back: the plan died with it (generate and modes of the first try lost). Poll again at once; read files after.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}

@@ -249,6 +249,25 @@ def test_the_final_state_check_samples_a_long_row_and_still_sees_one_wrong_prefi
     assert not final_check(wrong.bfloat16(), "16-bit").ok
 
 
+def test_the_structure_check_names_a_non_finite_slot_and_an_all_zero_one():
+    """One reduction per row finds the slot: 2 NaN and 1 inf in slot 1 of one row (counted exactly), slot 2 all zero
+    in another; a clean capture passes."""
+    from eagle3lib.extract import probe
+
+    g = torch.Generator().manual_seed(1)
+    rows = [(r, list(range(16))) for r in range(3)]
+    states = {r: torch.randn(16, 3, 8, generator=g).bfloat16() for r, _ in rows}
+    obs = probe.Observed(rows, states, {}, {}, "", [], None, [])
+    tol = probe.TOLERANCES["16-bit"]
+    assert next(c for c in probe.check_structure(obs, [1, 2, 3], 8, tol) if c.check == "finite").ok
+    states[1][4, 1, 2] = states[1][9, 1, 0] = float("nan")
+    states[1][11, 1, 5] = float("inf")
+    states[2][:, 2] = 0
+    bad = [c for c in probe.check_structure(obs, [1, 2, 3], 8, tol) if c.check == "finite"]
+    assert [(c.ok, c.slot, c.measured) for c in bad] == [
+        (False, 1, {"non_finite": 3, "zero_rows": []}), (False, 2, {"non_finite": 0, "zero_rows": [2]})], bad
+
+
 def test_a_failing_probe_stops_stage_02_before_its_first_shard(tmp_path, tiny_llama_dir):
     """Through the capture loop itself (what extract.run does): the probe runs on the backend before any shard, and
     its failure leaves no shard and no table; with the fault gone the same call probes, passes and extracts."""
