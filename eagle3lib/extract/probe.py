@@ -12,12 +12,12 @@ prefill splits) through the very backend that will run the extraction, and check
 - Final state, at any scale. The captured final slot (the last layer's output before the final norm), through the
   target's final norm and lm_head read from the checkpoint without loading the model (eagle3lib.head; the tensors of
   stage 04's reader), must reproduce the engine's own next-token distribution on the same tokens: vLLM's logprobs
-  from the same engine and the same forwards (prompt logprobs for the first, longest row; the sampled token's
-  logprobs for the others, because a request asking for prompt logprobs never reads the prefix cache and the others
-  must run as the extraction will), transformers' logits of the same loaded model. Measured: top-1 agreement (a
-  different argmax counts as agreeing only at a tie of the engine's own distribution) and the mean |logprob error| of
-  the engine's top-k tokens. The engine computing a wrong function (the rotary op) is self-consistent: only a
-  second path sees it.
+  from the same engine and the same forwards (prompt logprobs for the first, longest row, compared at up to 256
+  evenly spaced positions; the sampled token's logprobs for the others, because a request asking for prompt
+  logprobs never reads the prefix cache and the others must run as the extraction will), transformers' logits of
+  the same loaded model. Measured: top-1 agreement (a different argmax counts as agreeing only at a tie of the
+  engine's own distribution) and the mean |logprob error| of the engine's top-k tokens. The engine computing a wrong
+  function (the rotary op) is self-consistent: only a second path sees it.
 - Layers, where a second, independent path runs: transformers' own `output_hidden_states` of that forward (the
   transformers backend); the capture worker's hooks on the native engine, beside its connector, in the same forwards;
   a transformers load of the target on the CPU (vLLM backends; auto when the checkpoint is at most 4 GB, or
@@ -482,8 +482,8 @@ def compared(dist: EngineDist, length: int) -> list[int]:
 
 
 def check_final(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Check]:
-    """The final slot through the checkpoint's norm and lm_head against the engine's own logprobs (the head applied
-    once to every row's compared positions: its bf16 -> float32 conversion is the cost, not the rows)."""
+    """The final slot through the checkpoint's norm and lm_head against the engine's own logprobs, at the positions
+    `compared` picks (the head applied once to all rows' positions: one pass over it, however many rows)."""
     from eagle3lib.device import cpu_has_amx
     from eagle3lib.head import final_logits
 

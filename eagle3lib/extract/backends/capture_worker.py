@@ -47,7 +47,6 @@ except ImportError:  # pragma: no cover - compat without worker_setup
     COMPAT_PATCHES = []
 
 
-
 def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """vLLM's `batched_count_greater_than` (vllm/v1/sample/ops/logprobs.py: the rank of a logprob token), eager."""
     return (x >= values).sum(-1)
@@ -71,6 +70,7 @@ def eager_logprob_ranks() -> bool:
 
 
 EAGER_LOGPROB_RANKS = eager_logprob_ranks()
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MAX_PENDING_BYTES = 8 << 30  # host memory of captured states not yet on disk: the step loop waits above this
 LAYER_IDS_KEY = "eagle3_layer_ids"  # safetensors metadata: the layer ids of the file's hidden_states slots
