@@ -33,7 +33,7 @@
 #               the forks (default "offline online spool"; without offline the base runs stage 02 online: no full
 #               capture); MODES_SMALL=1 uses the small run's data (bundled x8 + 4,000 self-instruct) instead
 #   generate    GPU 0: the generator benchmark alone (1, 2 and 4 vLLM engines side by side: does stage 02's
-#               generation, ~85% of it on the recipe, scale with engines on one GPU?)
+#               generation, ~80% of it on the recipe (394 of 505 s), scale with engines on one GPU?)
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
