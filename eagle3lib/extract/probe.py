@@ -259,16 +259,6 @@ def _dist_from_logits(logits: torch.Tensor, pos: list[int]) -> EngineDist:
     return EngineDist(list(pos), top.indices, top.values)
 
 
-def _checkpoint_head(model_dir: Path) -> Any:
-    """The head, or the WorkbookError that refused it (returned, not raised: it is read on a background thread)."""
-    from eagle3lib.verifier.weights import read_checkpoint_head
-
-    try:
-        return read_checkpoint_head(model_dir)
-    except WorkbookError as e:  # e.g. a quantized lm_head: stage 04 refuses it too, with its own message
-        return e
-
-
 def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int],
             rows: list[tuple[int, list[int]]]) -> Observed:
     """Run the probe rows through `backend` (and what second paths it offers), read the checkpoint's head."""
@@ -289,9 +279,11 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
         now = time.perf_counter()
         seconds[phase], mark = now - mark, now
 
+    from eagle3lib.verifier.weights import read_checkpoint_head
+
     # the head (~2 GB bf16 for an 8B target: embedding and lm_head) is read while the engine captures the probe rows
     reading = ThreadPoolExecutor(1, thread_name_prefix="probe-head")
-    head_future = reading.submit(_checkpoint_head, model_dir)
+    head_future = reading.submit(read_checkpoint_head, model_dir)
     reading.shutdown(wait=False)
     with ExitStack() as stack:
         hooks = None
@@ -352,9 +344,10 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
     if is_vllm or not hasattr(backend, "reference_forward"):
         paths.append(_transformers_reference(cfg, model_dir, ref_ids, rows))
     lap("transformers_reference")
-    head = head_future.result()
-    if isinstance(head, WorkbookError):
-        notes.append(f"final-state, embedding and post-norm checks skipped: {head.problem}")
+    try:
+        head = head_future.result()  # the reader's own exception, re-raised here
+    except WorkbookError as e:  # e.g. a quantized lm_head: stage 04 refuses it too, with its own message
+        notes.append(f"final-state, embedding and post-norm checks skipped: {e.problem}")
         head = None
     lap("checkpoint_head")  # only what was left to read after the capture and references
     return Observed(rows, states, file_ids, engine, engine_name, paths, head, notes, seconds)
