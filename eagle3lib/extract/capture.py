@@ -115,20 +115,27 @@ def save_table(dataset_dir: Path, input_ids: list[list[int]], loss_mask: list[li
 # ------------------------------------------------------------------------------------------------ capture loop
 class ShardWriter:
     """Validates and writes shards on background threads; at most `depth` waiting. The first failure stops the run.
-    `values_checked`: the backend's files were checked finite where they were made (see shards.adopt_shard)."""
+    `values_checked`: the backend's files were checked finite where they were made (see shards.adopt_shard).
+    `gate`: no shard is written before this future (the capture probe's verdict) is done; its exception is the
+    run's failure, and nothing waiting is written then. `gate_wait_s`: what the capture loop waited for it."""
 
     def __init__(self, dataset_dir: Path, input_ids: Mapping[int, list[int]], spec: shards.ShardSpec, threads: int,
-                 depth: int, on_written: ProgressFn | None = None, values_checked: bool = False):
+                 depth: int, on_written: ProgressFn | None = None, values_checked: bool = False,
+                 gate: Future | None = None):
         self.dataset_dir, self.input_ids, self.spec = dataset_dir, input_ids, spec
         self.values_checked = values_checked
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-writer")
         self.slots = threading.BoundedSemaphore(depth)
         self.on_written = on_written
+        self.gate = gate
+        self.gate_wait_s = 0.0
         self.error: BaseException | None = None
         self.lock = threading.Lock()
 
     def _write(self, row: int, states: torch.Tensor | Path) -> None:
         try:
+            if self.gate is not None:
+                self.gate.result()  # raises the probe's failure: this write (and every other) is dropped
             ids = torch.as_tensor(self.input_ids[row], dtype=torch.int64)
             if isinstance(states, Path):  # a finished shard file from the backend: checked, then renamed
                 shards.adopt_shard(self.dataset_dir, row, states, ids, self.spec, self.values_checked)
@@ -145,7 +152,12 @@ class ShardWriter:
         if row not in self.input_ids:
             raise WorkbookError(f"the capture backend returned row {row}, which it was not asked for",
                                 "this is a backend bug")
+        gated = self.gate is not None and not self.gate.done()
+        t0 = time.perf_counter()
         self.slots.acquire()
+        if gated:
+            self.gate_wait_s += time.perf_counter() - t0
+        self.raise_if_failed()  # a failure seen while waiting for a slot: stop before submitting more
         fut = self.pool.submit(self._write, row, states)
         fut.add_done_callback(self._done)
 
@@ -166,19 +178,31 @@ class ShardWriter:
 
 
 def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: Path, spec: shards.ShardSpec,
-                 threads: int, depth: int, on_written: ProgressFn | None = None) -> int:
-    """Run `rows` through `backend`, writing every shard; returns the number written. Every row must come back."""
+                 threads: int, depth: int, on_written: ProgressFn | None = None,
+                 captured: Mapping[int, torch.Tensor | Path] | None = None, gate: Future | None = None,
+                 timing: dict[str, float] | None = None) -> int:
+    """Run `rows` through `backend`, writing every shard; returns the number written. Every row must come back.
+    `captured`: states of some of `rows` already captured (the capture probe's rows), written as they are instead of
+    run again; `gate`: see ShardWriter (the capture probe's verdict); `timing` gets `gate_wait_s`."""
+    captured = dict(captured or {})
     writer = ShardWriter(dataset_dir, dict(rows), spec, threads, depth, on_written,
-                         values_checked=getattr(backend, "values_checked", False))
+                         values_checked=getattr(backend, "values_checked", False), gate=gate)
     seen: set[int] = set()
     ok = False
     try:
-        for row, states in backend.capture(rows):
+        for row, states in captured.items():
             seen.add(row)
             writer.submit(row, states)
+        rest = [(r, t) for r, t in rows if r not in captured]
+        if rest:
+            for row, states in backend.capture(rest):
+                seen.add(row)
+                writer.submit(row, states)
         ok = True
     finally:
         writer.close(failed=not ok)
+        if timing is not None:
+            timing["gate_wait_s"] = writer.gate_wait_s
     missing = {r for r, _ in rows} - seen
     if missing:
         raise WorkbookError(f"the capture backend returned no states for {len(missing)} rows (e.g. {sorted(missing)[:5]})",
@@ -402,17 +426,23 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
             bar.set_postfix_str(f"{state['tokens'] / max(el, 1e-9):,.0f} tok/s")
 
         t_load = time.time()
+        from eagle3lib.extract import probe as capture_probe
 
-        def probe(on: Any) -> None:
-            if probe_dir is not None:
-                from eagle3lib.extract import probe as capture_probe
+        def start_probe(on: Any, keep: list[int]) -> capture_probe.Pending | None:
+            if probe_dir is None:
+                return None
+            return capture_probe.start(cfg, on, model_dir, layer_ids, hidden_size, input_ids, probe_dir,
+                                       capture_probe.compute_dtype(cfg, on), progress, keep=keep)
 
-                report = capture_probe.run(cfg, on, model_dir, layer_ids, hidden_size, input_ids, probe_dir,
-                                           capture_probe.compute_dtype(cfg, on), progress)
-                metrics["probe"] = {"passed": report["passed"], "seconds": report["seconds"],
-                                    "phase_seconds": report["phase_seconds"],
-                                    "summary": capture_probe.summary_line(report)}
+        def record_probe(pending: capture_probe.Pending, waited_s: float) -> None:
+            report = pending.verdict.result()  # the probe's WorkbookError, if it failed
+            metrics["probe"] = {"passed": report["passed"], "seconds": report["seconds"],
+                                "blocking_seconds": round(pending.blocking_s + waited_s, 3),
+                                "gate_wait_seconds": round(waited_s, 3),
+                                "phase_seconds": report["phase_seconds"], "kept_rows": len(pending.kept),
+                                "summary": capture_probe.summary_line(report)}
 
+        computed_tokens, blocked = todo_tokens, 0.0
         try:
             devices = _dp_devices(cfg, model_dir, backend)
             if devices:
@@ -421,9 +451,10 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
 
                     probing = TransformersBackend(cfg, model_dir, layer_ids, device=devices[0])
                     try:
-                        probe(probing)
+                        pending = start_probe(probing, [])
                     finally:
                         probing.close()
+                    record_probe(pending, 0.0)  # the processes write shards at once: the verdict first
                 state["t0"] = time.time()
                 _capture_data_parallel(cfg, model_dir, layer_ids, dataset_dir, input_ids, todo, devices, spec,
                                        on_written)
@@ -435,18 +466,31 @@ def _extract(cfg: WorkbookConfig, dataset_dir: Path, model_dir: Path, layer_ids:
                     backend = make_backend(cfg, model_dir, layer_ids)
                 metrics["load_seconds"] = round(time.time() - t_load, 2)
                 try:
-                    probe(backend)
+                    # the probe's rows become their shards (captured once) and its judging runs beside the
+                    # extraction: no shard is written before its verdict (the writer's gate)
+                    pending = start_probe(backend, todo)
+                    kept = pending.kept if pending is not None else {}
+                    blocked = pending.blocking_s if pending is not None else 0.0
+                    computed_tokens -= sum(len(input_ids[i]) for i in kept)
+                    timing: dict[str, float] = {}
                     state["t0"] = time.time()
                     capture_rows(backend, [(i, input_ids[i]) for i in todo], dataset_dir, spec,
-                                 cfg.extract.writer_threads, cfg.extract.write_queue, on_written)
+                                 cfg.extract.writer_threads, cfg.extract.write_queue, on_written, captured=kept,
+                                 gate=pending.verdict if pending is not None else None, timing=timing)
+                    if pending is not None:
+                        record_probe(pending, timing["gate_wait_s"])
                 finally:
                     if own:
                         backend.close()
         finally:
             bar.close()
         secs = time.time() - state["t0"]
+        # capture_seconds and tokens_per_s: the capture loop (after the probe's blocking part; the rows the probe
+        # captured for it are not in it); end_to_end_tokens_per_s: every computed row over the probe's blocking part
+        # and the loop together
         metrics["capture_seconds"] = round(secs, 2)
-        metrics["tokens_per_s"] = round(todo_tokens / secs, 1) if secs > 0 else None
+        metrics["tokens_per_s"] = round(computed_tokens / secs, 1) if secs > 0 else None
+        metrics["end_to_end_tokens_per_s"] = round(todo_tokens / (secs + blocked), 1) if secs + blocked > 0 else None
     save_table(dataset_dir, input_ids, loss_mask)
     return metrics
 

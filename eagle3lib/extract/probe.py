@@ -40,18 +40,22 @@ no shard is written. A pass writes `<run>/capture_probe.json` (notebook 02 shows
 report card in one line). Tolerances depend on the coarser of the engine's compute dtype and the storage dtype
 (`TOLERANCES`).
 
-Cost: the probe rows are captured once more than the extraction needs (their files are read and deleted), plus the
-reference forwards: 0.1-0.5 s on the tiny test models, 3-4 s for SmolLM2 on a busy 2-core CPU (most of it the
-transformers forwards), 1.2 s (worker) / 2.7 s (native) for an 8B shape on an H200 (docs/engines.md#the-capture-probe
-says where the seconds went and what took them away). Data-parallel transformers capture probes on one more load of
-the target on the first GPU, before its processes start.
+Cost: what the extraction waits for is the probe rows' capture (through the same engine, before the first
+request of the extraction), not its judging. The probe rows are captured once: their captures (files or tensors) are
+kept and become their shards (`Pending.kept`); the judging — the CPU reference, the checkpoint's head, the checks —
+runs on a thread beside the extraction, and the shard writer holds every shard until the verdict
+(capture.ShardWriter's gate), so a failure still leaves no shard. Measured before that change: 0.1-0.5 s on the tiny
+test models, 3-4 s for SmolLM2 on a busy 2-core CPU (most of it the transformers forwards), 1.2 s (worker) / 2.7 s
+(native) for an 8B shape on an H200 (docs/engines.md#the-capture-probe says where the seconds went and what took
+them away). Data-parallel transformers capture probes on one more load of the target on the first GPU, before its
+processes start, and waits for the verdict there (the processes write their shards themselves).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -198,6 +202,8 @@ class Observed:
     head: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None  # embed, norm, lm_head, eps
     notes: list[str]
     seconds: dict[str, float] = field(default_factory=dict)  # where the probe's time went, by phase
+    head_reading: Future | None = None  # the head being read on a thread (`complete` waits for it)
+    cpu_reference_ids: list[int] | None = None  # ids a transformers load on the CPU still captures (`complete`)
 
 
 @dataclass
@@ -214,16 +220,21 @@ class Check:
 
 # ---------------------------------------------------------------------------------------------------- reading
 def _read_states(captured: Iterable[tuple[int, Any]], token_ids: dict[int, list[int]],
-                 file_ids: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-    """Captured rows as tensors; a states file the backend handed on (its final shard-to-be) is read, its token ids
-    kept for the check, and deleted (the extraction captures these rows again)."""
+                 file_ids: dict[int, list[int]], keep: frozenset[int] = frozenset(),
+                 kept: dict[int, Any] | None = None) -> dict[int, torch.Tensor]:
+    """Captured rows as tensors; a states file the backend handed on (its final shard-to-be) is read and its token
+    ids kept for the check. A row in `keep` goes into `kept` as the backend gave it (file or tensor: the extraction
+    takes it as that row's shard once the probe passes); any other row's file is deleted."""
     from safetensors.torch import load_file
 
     out: dict[int, torch.Tensor] = {}
     for row, states in captured:
+        if row in keep and kept is not None:
+            kept[row] = states
         if isinstance(states, Path):
             data = load_file(str(states))
-            states.unlink(missing_ok=True)
+            if row not in keep:
+                states.unlink(missing_ok=True)
             file_ids[row] = data["token_ids"].tolist()
             states = data["hidden_states"]
         out[row] = states  # in the storage dtype: each check converts what it reads
@@ -260,14 +271,17 @@ def _dist_from_logits(logits: torch.Tensor, pos: list[int]) -> EngineDist:
 
 
 def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int],
-            rows: list[tuple[int, list[int]]]) -> Observed:
-    """Run the probe rows through `backend` (and what second paths it offers), read the checkpoint's head."""
+            rows: list[tuple[int, list[int]]], keep: frozenset[int] = frozenset()) -> tuple[Observed, dict[int, Any]]:
+    """Run the probe rows through `backend` and the second paths that use it (everything that needs the backend:
+    the extraction waits for this part); the checkpoint's head is read on a thread meanwhile and the CPU reference
+    is left to `complete`. Returns the observations and the captures of the rows in `keep` (see `_read_states`)."""
     notes: list[str] = []
     n_layers = layer_ids[-1]
     ref_ids = reference_ids(layer_ids, n_layers)
     token_ids = dict(rows)
     file_ids: dict[int, list[int]] = {}
     states: dict[int, torch.Tensor] = {}
+    kept: dict[int, Any] = {}
     engine: dict[int, EngineDist] = {}
     paths: list[SecondPath] = []
     is_vllm = hasattr(backend, "logging")
@@ -303,10 +317,10 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
             try:
                 if is_vllm:
                     with backend.logging(TOP_K, prompt_logprobs=prompt_lp) as log:
-                        states.update(_read_states(backend.capture(part), token_ids, file_ids))
+                        states.update(_read_states(backend.capture(part), token_ids, file_ids, keep, kept))
                     outputs.update(log.outputs)
                 else:
-                    states.update(_read_states(backend.capture(part), token_ids, file_ids))
+                    states.update(_read_states(backend.capture(part), token_ids, file_ids, keep, kept))
             except WorkbookError as e:  # the backend's own message, said to come from the probe's rows
                 raise WorkbookError(f"the capture probe failed before the first shard: capturing its rows "
                                     f"{[r for r, _ in part]} failed: {e.problem}", e.fix) from e
@@ -341,16 +355,27 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
         notes.append(f"final-state check skipped: the {type(backend).__name__} backend gives the probe no "
                      "next-token distribution (e.g. a vllm serve endpoint)")
     lap("engine_distribution")
-    if is_vllm or not hasattr(backend, "reference_forward"):
-        paths.append(_transformers_reference(cfg, model_dir, ref_ids, rows))
-    lap("transformers_reference")
-    try:
-        head = head_future.result()  # the reader's own exception, re-raised here
-    except WorkbookError as e:  # e.g. a quantized lm_head: stage 04 refuses it too, with its own message
-        notes.append(f"final-state, embedding and post-norm checks skipped: {e.problem}")
-        head = None
-    lap("checkpoint_head")  # only what was left to read after the capture and references
-    return Observed(rows, states, file_ids, engine, engine_name, paths, head, notes, seconds)
+    obs = Observed(rows, states, file_ids, engine, engine_name, paths, None, notes, seconds, head_reading=head_future,
+                   cpu_reference_ids=ref_ids if is_vllm or not hasattr(backend, "reference_forward") else None)
+    return obs, kept
+
+
+def complete(cfg: WorkbookConfig, obs: Observed, model_dir: Path) -> Observed:
+    """What the probe needs besides the backend, so it can run beside the extraction: the transformers reference on
+    the CPU (a load of its own: vLLM backends, small checkpoints) and the checkpoint's head."""
+    mark = time.perf_counter()
+    if obs.cpu_reference_ids is not None:
+        obs.paths.append(_transformers_reference(cfg, model_dir, obs.cpu_reference_ids, obs.rows))
+    t = time.perf_counter()
+    obs.seconds["transformers_reference"] = t - mark
+    if obs.head_reading is not None:
+        try:
+            obs.head = obs.head_reading.result()  # the reader's own exception, re-raised here
+        except WorkbookError as e:  # e.g. a quantized lm_head: stage 04 refuses it too, with its own message
+            obs.notes.append(f"final-state, embedding and post-norm checks skipped: {e.problem}")
+            obs.head = None
+    obs.seconds["checkpoint_head"] = time.perf_counter() - t  # only what was left to read by then
+    return obs
 
 
 def _transformers_reference(cfg: WorkbookConfig, model_dir: Path, ids: list[int],
@@ -608,22 +633,59 @@ def failure(checks: list[Check], report_path: Path) -> WorkbookError:
         "and rerun (extract.probe: never skips the probe, only for a target whose head the probe cannot judge)")
 
 
-def run(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int], hidden: int,
-        input_ids: list[list[int]], run_root: Path, compute_dtype: str, progress: bool = True) -> dict[str, Any]:
-    """The probe on `backend` (started, not yet capturing): writes `<run_root>/capture_probe.json` and returns it, or
-    raises one WorkbookError (the report then in capture_probe.failed.json)."""
+@dataclass
+class Pending:
+    """A probe whose rows are captured and whose judging runs on a thread beside the extraction.
+
+    `kept`: the captures of the probe rows the caller asked to keep (files or tensors, as the backend gave them),
+    for the extraction to take as those rows' shards once the probe passed: the probe rows are captured once, not
+    twice. `verdict`: the report, or the probe's WorkbookError. `blocking_s`: the seconds the probe held the backend
+    (the extraction could not start before). The caller must not write a shard before `verdict` passed."""
+
+    kept: dict[int, Any]
+    verdict: Future
+    blocking_s: float
+
+
+def start(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int], hidden: int,
+          input_ids: list[list[int]], run_root: Path, compute_dtype: str, progress: bool = True,
+          keep: Iterable[int] = ()) -> Pending:
+    """The probe on `backend` (started, not yet capturing): its rows through the backend now, the rest on a thread
+    (`conclude`). Why a thread: on an 8B shape the judging (the head on the CPU, the cosines) was 40% of the probe
+    and needs nothing of the engine, which can extract meanwhile (docs/engines.md#the-capture-probe)."""
     t0 = time.perf_counter()
     rows = [(i, list(input_ids[i])) for i in probe_rows(input_ids, cfg.extract.probe_rows)]
-    obs = observe(cfg, backend, Path(model_dir), list(layer_ids), rows)
+    obs, kept = observe(cfg, backend, Path(model_dir), list(layer_ids), rows, frozenset(keep))
+    blocking = time.perf_counter() - t0
+    judging = ThreadPoolExecutor(1, thread_name_prefix="probe-judge")
+    verdict = judging.submit(conclude, cfg, obs, Path(model_dir), list(layer_ids), hidden, Path(run_root),
+                             compute_dtype, _backend_name(cfg, backend), t0, blocking, progress)
+    judging.shutdown(wait=False)
+    return Pending(kept, verdict, round(blocking, 3))
+
+
+def run(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int], hidden: int,
+        input_ids: list[list[int]], run_root: Path, compute_dtype: str, progress: bool = True) -> dict[str, Any]:
+    """The whole probe, waited for: writes `<run_root>/capture_probe.json` and returns it, or raises one
+    WorkbookError (the report then in capture_probe.failed.json). The probe rows' captures are deleted."""
+    return start(cfg, backend, model_dir, layer_ids, hidden, input_ids, run_root, compute_dtype, progress).verdict.result()
+
+
+def conclude(cfg: WorkbookConfig, obs: Observed, model_dir: Path, layer_ids: list[int], hidden: int, run_root: Path,
+             compute_dtype: str, backend_name: str, t0: float, blocking_s: float, progress: bool) -> dict[str, Any]:
+    """Complete the observations, judge them, write the report: returns it on a pass, raises the one WorkbookError on
+    a failure."""
+    complete(cfg, obs, model_dir)
+    rows = obs.rows
     tol_class = tolerance_class(compute_dtype, cfg.extract.dtype)
     t_checks = time.perf_counter()
     checks = judge(obs, list(layer_ids), hidden, tol_class)
     obs.seconds["checks"] = time.perf_counter() - t_checks
     passed = all(c.ok for c in checks)
     report = {
-        "passed": passed, "seconds": round(time.perf_counter() - t0, 2),
+        "passed": passed, "seconds": round(time.perf_counter() - t0, 2), "blocking_seconds": round(blocking_s, 3),
         "phase_seconds": {k: round(v, 3) for k, v in obs.seconds.items()},
-        "backend": _backend_name(cfg, backend), "rows": [r for r, _ in rows],
+        "backend": backend_name, "rows": [r for r, _ in rows],
         "tokens": sum(len(t) for _, t in rows), "layer_ids": list(layer_ids),
         "dtype": {"compute": compute_dtype, "storage": cfg.extract.dtype, "tolerances": tol_class},
         "tolerance": asdict(TOLERANCES[tol_class]), "engine_distribution": obs.engine_name or None,
@@ -633,7 +695,7 @@ def run(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[int]
                               ["no second capture path ran: the layers were checked only for structure"]),
         "checks": [asdict(c) for c in checks],
     }
-    ok_path, failed_path = Path(run_root) / REPORT_FILE, Path(run_root) / FAILED_FILE
+    ok_path, failed_path = run_root / REPORT_FILE, run_root / FAILED_FILE
     if not passed:
         ok_path.unlink(missing_ok=True)  # nothing may claim a pass for this capture
         atomic.write_json(failed_path, report)

@@ -286,6 +286,70 @@ def test_a_failing_probe_stops_stage_02_before_its_first_shard(tmp_path, tiny_ll
     assert (run_root / "capture_probe.json").is_file() and not (run_root / "capture_probe.failed.json").exists()
 
 
+class CountingBackend(TransformersBackend):
+    """The real transformers backend, recording which rows it was asked to capture."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def capture(self, rows):
+        self.asked += [r for r, _ in rows]
+        yield from super().capture(rows)
+
+
+def test_the_probe_rows_become_shards_and_no_shard_is_written_before_the_verdict(tmp_path, tiny_llama_dir,
+                                                                                 tiny_model, monkeypatch):
+    """The probe's rows are captured once (their captures kept as their shards, not captured again), its judging runs
+    beside the extraction, and the shard writer holds every shard until the verdict: with the verdict held back, the
+    backend has captured every row and still nothing is on disk; released, every shard is written and right."""
+    import threading
+
+    from eagle3lib.extract import probe
+
+    cfg = tiny_cfg(tiny_llama_dir, "extract.batch_tokens=64")
+    rows = random_rows(10, seed=4)
+    ids = [t for _, t in rows]
+    release, judging = threading.Event(), threading.Event()
+    conclude = probe.conclude
+
+    def held_back(*args, **kwargs):
+        judging.set()
+        assert release.wait(120)
+        return conclude(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "conclude", held_back)
+    backend = CountingBackend(cfg, tiny_llama_dir, LAYER_IDS)
+    ddir, out = tmp_path / "dataset", {}
+
+    def extract_rows():
+        try:
+            out["ext"] = capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, [[1] * len(t) for t in ids],
+                                         progress=False, backend=backend, probe_dir=tmp_path)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    worker = threading.Thread(target=extract_rows)
+    worker.start()
+    deadline = time.time() + 120
+    while sorted(backend.asked) != list(range(10)) and time.time() < deadline and worker.is_alive():
+        time.sleep(0.02)
+    assert judging.is_set() and sorted(backend.asked) == list(range(10)), (backend.asked, out)
+    time.sleep(0.5)  # the writer's threads had time to write, were they not held
+    assert not list(shards.shard_dir(ddir).glob("hs_*")) and not (tmp_path / "capture_probe.json").exists()
+    release.set()
+    worker.join(120)
+    assert "error" not in out, out
+    ext = out["ext"]
+    assert ext["probe"]["passed"] and ext["probe"]["kept_rows"] == 4 and ext["computed_shards"] == 10
+    assert 0 < ext["probe"]["blocking_seconds"] <= ext["probe"]["seconds"], ext["probe"]
+    assert len(backend.asked) == 10, f"rows captured more than once: {backend.asked}"
+    for i in range(10):
+        got = shards.read_shard(shards.shard_path(ddir, i))
+        ref = reference_states(tiny_model, torch.tensor([ids[i]]), LAYER_IDS)[0]
+        torch.testing.assert_close(got["hidden_states"], ref, rtol=1e-4, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------- real SmolLM2 stage runs
 def conversations_jsonl(path: Path, n: int) -> Path:
     topics = ["rivers", "stars", "bread", "trains", "music", "chess", "rain", "bees"]

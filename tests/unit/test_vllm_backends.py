@@ -731,26 +731,31 @@ def test_worker_captures_a_tiny_llava_text_only(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.parametrize("strategy,fp8", [("native", False), ("worker", False), ("native", True)])
-def test_extract_renames_vllm_files_into_valid_shards(smollm2_dir, tmp_path, strategy, fp8):
+@pytest.mark.parametrize("strategy,fp8,probe", [("native", False, False), ("worker", False, True),
+                                                ("native", True, True)])
+def test_extract_renames_vllm_files_into_valid_shards(smollm2_dir, tmp_path, strategy, fp8, probe):
     """Stage 02's capture loop on vLLM: the connector's (native) or the capture worker's (worker) per-request files
     become the dataset's shards (checked by the shared validator, renamed; with extract.fp8_shards rewritten in
-    speculators' FP8 format), and neither a data file nor a lock is left in the spool folder."""
+    speculators' FP8 format), and neither a data file nor a lock is left in the spool folder. With the capture probe
+    (as stage 02 runs it), its 4 rows' files are kept and become their shards once it passed: every row is captured
+    once (`adopted` counts the files the backend handed on)."""
     from eagle3lib import shards
     from eagle3lib.extract import capture
     from eagle3lib.extract.backends import make_backend
 
     cfg = make_cfg(tmp_path, smollm2_dir, strategy, SMOL_IDS, f"extract.fp8_shards={str(fp8).lower()}")
-    rows = random_rows(49152, [9, 30, 17, 120], seed=3)  # 176 tokens > one step's 128: a prompt split over steps
+    rows = random_rows(49152, [9, 30, 17, 120, 44, 5], seed=3)  # 120 + 44 tokens > one step's 128: split prompts
     ids = [t for _, t in rows]
     backend = make_backend(cfg, smollm2_dir, SMOL_IDS)
     spool = backend.out_dir if strategy == "native" else backend.spool
     try:
         ddir = tmp_path / "runs" / "dataset"
-        capture.extract(cfg, ddir, smollm2_dir, SMOL_IDS, 576, ids, [[1] * len(t) for t in ids], progress=False,
-                        backend=backend)
+        ext = capture.extract(cfg, ddir, smollm2_dir, SMOL_IDS, 576, ids, [[1] * len(t) for t in ids],
+                              progress=False, backend=backend, probe_dir=tmp_path if probe else None)
         assert backend.stats["adopted"] == len(rows), backend.stats
         assert not [p for p in spool.iterdir()], f"files left in {spool}"
+        if probe:
+            assert ext["probe"]["passed"] and ext["probe"]["kept_rows"] == 4, ext["probe"]
     finally:
         backend.close()
     spec = capture.shard_spec(cfg, SMOL_IDS, 576)
