@@ -5,9 +5,12 @@ Why: a small target's decode step is bound by the engine's CPU-side work (schedu
 not by the GPU. SmolLM2-135M on one H200 wrote 28.1k tok/s with one engine and 39.5k with two side by side (x1.41,
 benchmarks/results/generate_engines_h200.json). Processes, not threads: that CPU work holds the GIL.
 
-Each child holds one `VllmGenerator` built from the run's config except for three things (`engine_config`): 1/N of
-`extract.gpu_memory_utilization`, `run.seed + i` for engine i, and the engine in-process (the child is a process of
-its own already; an `extract.vllm_in_process` set in the config is kept). `EnginePoolGenerator`, what
+Each child holds one `VllmGenerator` built from the run's config except for two things (`engine_config`): 1/N of
+`extract.gpu_memory_utilization` and `run.seed + i` for engine i. Its engine runs as any stage 02 engine does
+(vllm_engine.prepare_environment: in-process on the CPU; on a GPU its engine core in a process of its own, as in the
+x1.41 measurement: in-process, scheduling and output handling would share one GIL). Each engine keeps its own
+VLLM_CACHE_ROOT (`<run>/cache/vllm/gen_engine_<i>`): N engines compiling their graphs at the same moment into one
+cache folder is a race this avoids; a rerun finds each engine's compiled graphs. `EnginePoolGenerator`, what
 `make_generator` returns for N > 1, starts all N at once on the first `generate` call (a fully cached rerun starts
 none), deals text j to engine j % N (generate_cached sorts a chunk by length, so the shares are alike), sends every
 share, then gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N,
@@ -52,17 +55,12 @@ STOP_GRACE_S = 30.0  # a child told to stop closes its engine and exits; after t
 
 
 def engine_config(cfg: WorkbookConfig, index: int) -> WorkbookConfig:
-    """Engine `index`'s config: the run's, with its share of the GPU memory, its own seed, and its engine in the
-    child's own process (unless extract.vllm_in_process says otherwise; with parallel workers vLLM's own default)."""
-    from eagle3lib.extract.backends.vllm_engine import world_size
-
+    """Engine `index`'s config: the run's, with its share of the GPU memory and its own seed."""
     n = cfg.data.gen_engines
     tree = cfg.model_dump(mode="json")
     tree["data"]["gen_engines"] = 1
     tree["run"]["seed"] = cfg.run.seed + index
     tree["extract"]["gpu_memory_utilization"] = cfg.extract.gpu_memory_utilization / n
-    if cfg.extract.vllm_in_process is None:
-        tree["extract"]["vllm_in_process"] = world_size(cfg) == 1
     return WorkbookConfig.model_validate(tree)
 
 
@@ -80,13 +78,15 @@ class _Engine:
     @classmethod
     def start(cls, index: int, cfg: WorkbookConfig, model_dir: Path, log: Path) -> _Engine:
         from eagle3lib.processes import popen_with_parent
+        from eagle3lib.rundir import cache_root
 
         ours, theirs = socket.socketpair()
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root(cfg) / "vllm" / f"gen_engine_{index}")}
         try:
             with open(log, "w") as out:
                 proc = popen_with_parent([sys.executable, "-m", "eagle3lib.extract.engine_pool", "--fd",
                                           str(theirs.fileno())], stdout=out, stderr=subprocess.STDOUT,
-                                         pass_fds=(theirs.fileno(),))
+                                         pass_fds=(theirs.fileno(),), env=env)
         except BaseException:
             ours.close()
             raise

@@ -54,8 +54,7 @@ def test_engine_config_shares_the_memory_and_moves_the_seed(tmp_path):
     cfg = pool_config(tmp_path, "run.seed=5", "extract.gpu_memory_utilization=0.8")
     one = engine_config(cfg, 1)
     assert (one.run.seed, one.extract.gpu_memory_utilization, one.data.gen_engines) == (6, 0.4, 1)
-    assert one.extract.vllm_in_process is True  # the child is its own process already
-    assert engine_config(pool_config(tmp_path, "extract.vllm_in_process=false"), 0).extract.vllm_in_process is False
+    assert one.extract.vllm_in_process == cfg.extract.vllm_in_process  # the engine runs as stage 02's do
     assert one.data.gen_vllm_args == cfg.data.gen_vllm_args and one.target == cfg.target
 
 
