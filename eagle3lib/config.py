@@ -138,6 +138,12 @@ class DataSection(Section):
     gen_vllm_args: dict[str, Any] = Field(
         default_factory=dict, description="data.generator: vllm only: extra vllm.LLM arguments over the workbook's "
         "own, e.g. {max_num_seqs: 512} (benchmarks/generate.py measures such settings against each other).")
+    gen_engines: int = Field(
+        1, ge=1, description="data.generator: vllm only: vLLM engines that generate side by side, each in its own "
+        "process on the same GPU with 1/N of extract.gpu_memory_utilization and run.seed + its index; a chunk of "
+        "prompts is shared out among them. Why: a small target's decode is bound by the engine's CPU-side work, not "
+        "the GPU: SmolLM2-135M on one H200 wrote 28.1k tok/s with 1 engine, 39.5k with 2 (x1.41, "
+        "benchmarks/results/generate_engines_h200.json). Greedy replies do not depend on it, sampled ones do.")
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0,
         description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",
@@ -384,6 +390,10 @@ class WorkbookConfig(Section):
                 self.data.self_distill and max(self.data.gen_temperatures or [self.data.gen_temperature]) > 0):
             raise ValueError("data.sources[].replies > 1 samples more replies: it needs data.self_distill: true and a "
                              "temperature above 0 in data.gen_temperatures (e.g. [0.0, 0.0, 0.7])")
+        if self.data.gen_engines > 1 and self.data.generator != "vllm":
+            raise ValueError(f"data.gen_engines: {self.data.gen_engines} starts that many vLLM engines, but "
+                             f"data.generator is {self.data.generator}: set data.generator: vllm, or "
+                             "data.gen_engines: 1")
         return self
 
     def section_hash(self, sections: list[str] | tuple[str, ...]) -> str:

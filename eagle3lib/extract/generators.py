@@ -2,7 +2,8 @@
 
 Why a seam here: self-distillation and self-instruct both need "the target continues these texts", thousands of
 times on a GPU run. transformers `generate` (the default; no extra install, the reference) and one offline vLLM
-engine (`data.generator: vllm`, ~10-50x faster on a GPU: continuous batching, paged KV cache) are interchangeable:
+engine (`data.generator: vllm`, ~10-50x faster on a GPU: continuous batching, paged KV cache; `data.gen_engines`
+of them side by side, eagle3lib.extract.engine_pool) are interchangeable:
 `generate(texts, temperature, max_new_tokens, seeds) -> [Reply]`. Everything around it — the resume cache, the
 progress bar and the tokens/s stats — is written once, in `generate_cached`.
 
@@ -101,6 +102,12 @@ class TransformersGenerator:
         gc.collect()
 
 
+def vllm_batch_size(cfg: WorkbookConfig) -> int:
+    """Prompts per LLM.generate call of one engine: the engine batches inside a call, the cache is written after
+    each."""
+    return max(cfg.data.gen_batch_size, 256)
+
+
 class VllmGenerator:
     """One offline `vllm.LLM` engine, built like the capture backends' (eagle3lib.extract.backends.vllm_engine: in-process
     on the CPU, a spawned engine process on a GPU, parallel sizes, memory share and seed from `extract.*`), started on
@@ -110,8 +117,7 @@ class VllmGenerator:
 
     def __init__(self, cfg: WorkbookConfig, model_dir: Path, tok: Any):
         self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
-        # one LLM.generate call per chunk: the engine batches inside it; the cache is written after each chunk
-        self.batch_size = max(cfg.data.gen_batch_size, 256)
+        self.batch_size = vllm_batch_size(cfg)
         self.llm: Any = None
         self.max_model_len = 0
         self.start_s = 0.0
@@ -182,7 +188,12 @@ class VllmGenerator:
 
 
 def make_generator(cfg: WorkbookConfig, model_dir: Path, tok: Any) -> Generator:
-    """The generator `data.generator` names; nothing is loaded until the first `generate` call."""
+    """The generator `data.generator` names (`data.gen_engines` > 1: that many vLLM engines, each in a process of its
+    own, eagle3lib.extract.engine_pool); nothing is loaded until the first `generate` call."""
+    if cfg.data.generator == "vllm" and cfg.data.gen_engines > 1:
+        from eagle3lib.extract.engine_pool import EnginePoolGenerator
+
+        return EnginePoolGenerator(cfg, model_dir, tok)
     if cfg.data.generator == "vllm":
         return VllmGenerator(cfg, model_dir, tok)
     return TransformersGenerator(cfg, model_dir, tok)

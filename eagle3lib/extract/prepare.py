@@ -262,7 +262,8 @@ def prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: bool
         prepared.benchmarks = benchmarks
         return prepared
     finally:
-        stats["generator"] = {"name": gen.name, "engine_start_s": getattr(gen, "start_s", None)}
+        stats["generator"] = {"name": gen.name, "engine_start_s": getattr(gen, "start_s", None),
+                              "engines": cfg.data.gen_engines if gen.name == "vllm" else None}
         gen.close()
 
 

