@@ -5,6 +5,13 @@
 # /tmp/vsite (the packages of $CONFIG too); `source /tmp/eagle3-env.sh` afterwards sets PYTHONPATH and the offline switches.
 set -euo pipefail
 mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ 2>/dev/null || true
+# every part from 00 on, none missing: a machine given back between two copy calls (30 s idle) leaves a new one with
+# only the later parts (seen in session 13: "tar: This does not look like a tar archive")
+n=$(ls /tmp/bundle/part.* 2>/dev/null | wc -l)
+for i in $(seq 0 $(( n - 1 ))); do
+  [ -f "$(printf /tmp/bundle/part.%02d "$i")" ] || { echo "bundle part $(printf %02d "$i") missing on this machine (it changed between copy calls): copy every chunk again" >&2; exit 3; }
+done
+[ "$n" -gt 0 ] || { echo "no bundle parts on this machine: copy every chunk first" >&2; exit 3; }
 cat /tmp/bundle/part.* | tar xf - -C /tmp
 mkdir -p /tmp/payload-x /tmp/vsite
 tar xf /tmp/payload.tar -C /tmp/payload-x && rm -f /tmp/payload.tar

@@ -63,6 +63,9 @@
 # vllm_extract 300-376 s, generate: 1 engine 129 s, 2 engines 80 s (the 4-engine round cut by the budget). A poll
 # that returned and was NOT followed by the next call within ~30 s (time spent reading its files) gave the machine
 # back: the plan died with it (generate and modes of the first try lost). Poll again at once; read files after.
+# Session 13: two machines lost the same way (an interruption between install and the first poll; a copy call that
+# landed on a new machine, so install found part.01-04 without part.00): a poll on a bare machine and an install
+# missing a part now fail at once (exit 3). Never batch `poll` behind `install` unseen; check each copy's `warm`.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
@@ -131,6 +134,9 @@ launch)
   sleep 20; cat "$RES/plan.log"
   ;;
 poll)
+  # no plan here = the machine was given back since `launch` (30 s idle, e.g. a gap between calls) and this is a new,
+  # bare one: say so at once instead of waiting WAIT seconds for nothing (session 13 lost 540 s so)
+  [ -f "$RES/plan.env" ] || { echo "no plan on this machine (it is not the one launch ran on): copy and install again" >&2; exit 3; }
   end=$(( $(date +%s) + ${WAIT:-540} ))
   while :; do
     cp "$RES"/*.json "$OUT"/ 2>/dev/null
