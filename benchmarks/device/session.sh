@@ -225,8 +225,13 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       ;;
     gen_data)
       x=${GEN_SCALE:-4}; grun=$RUN-x$x
-      # the recipe's sources (configs/smollm2-h200.yaml) with x times the self-instruct prompts and bundled replies
-      gsrc="data.sources=[{kind: bundled, replies: $((8 * x))}, {kind: self_instruct, limit: $((20000 * x)), temperature: 0.8, max_new_tokens: 128, followup_prob: 0.2}]"
+      # $CONFIG's own sources with x times every limit and every replies count above 1 (a source answered once stays
+      # so; read from the config, not copied here: the replies caches are keyed by the sources' settings, so a copy
+      # that drifted would generate everything again)
+      gsrc="data.sources=$(python3 -c "import json, sys; from eagle3lib.config import load_config
+x = int(sys.argv[2])
+print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': s.limit * x} if s.limit else {}),
+                   'replies': s.replies * x if s.replies > 1 else 1} for s in load_config(sys.argv[1]).data.sources]))" "$CONFIG" "$x")"
       step "stages 00-02 of $grun online: ${x}x the recipe's data, ${GEN_ENGINES:-4} generator engines"
       run_on 0 gen_data --run "$grun" --stages 00-02 -p train.hidden_states=online -p "$gsrc" \
         -p "data.gen_engines=${GEN_ENGINES:-4}"
