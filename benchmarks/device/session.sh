@@ -107,8 +107,9 @@ bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/genera
   --prompts 8192 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines ${ENGINES:-1 2 4} \
   --timeout 240 --out "$RES/generate_engines_h200.json" > "$RES/bench_generate.log" 2>&1; }
 # random weights (a 16 GB checkpoint written once, loaded by each mode): the capture probe runs and is timed
+# (VLLM_MODES: which modes, default all three; prefill and one capture mode fit a session's last ~6 minutes)
 bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/extract.py --backend vllm-all \
-  --modes vllm-prefill,vllm-native,vllm-worker --multiprocess --timeout 240 --weights random \
+  --modes "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" --multiprocess --timeout 240 --weights random \
   --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1; }
 has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
@@ -127,9 +128,10 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-0.25 0.5 1}" "${ARMS:-offline online spool}" \
-    "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" > "$RES/plan.env"
+    "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
+    "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" > "$RES/plan.env"
   setsid nohup bash benchmarks/device/session.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
   sleep 20; cat "$RES/plan.log"
   ;;
@@ -160,10 +162,12 @@ plan)
   source /tmp/eagle3-env.sh
   lscpu > "$RES/lscpu.txt" 2>&1  # the host's CPU: the probe's head check and vLLM's scheduling run on it
   # the config's target, converted once (an embedded GGUF), before two runs race: its seconds in convert.log
-  step "target of $CONFIG"; t=$(date +%s)
-  python3 -c "import sys; from eagle3lib.config import load_config; from eagle3lib.target import resolve_model_path
+  if [ "$STEPS" != vllm_extract ]; then  # vllm_extract writes its own random checkpoint
+    step "target of $CONFIG"; t=$(date +%s)
+    python3 -c "import sys; from eagle3lib.config import load_config; from eagle3lib.target import resolve_model_path
 print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/convert.log" 2>&1
-  echo "target ready after $(( $(date +%s) - t )) s" >> "$RES/convert.log"; tail -n 1 "$RES/convert.log"
+    echo "target ready after $(( $(date +%s) - t )) s" >> "$RES/convert.log"; tail -n 1 "$RES/convert.log"
+  fi
   g1=$(second_gpu)
   for s in $STEPS; do
     case "$s" in

@@ -204,6 +204,11 @@ class Observed:
     seconds: dict[str, float] = field(default_factory=dict)  # where the probe's time went, by phase
     head_reading: Future | None = None  # the head being read on a thread (`complete` waits for it)
     cpu_reference_ids: list[int] | None = None  # ids a transformers load on the CPU still captures (`complete`)
+    # what the backend handed back, read by `complete` off the extraction's path: row -> states file or tensor (a
+    # kept row's file is read, not deleted), row -> vLLM request output (its logprobs)
+    captured: dict[int, Any] = field(default_factory=dict)
+    kept_rows: frozenset[int] = frozenset()
+    outputs: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -219,18 +224,15 @@ class Check:
 
 
 # ---------------------------------------------------------------------------------------------------- reading
-def _read_states(captured: Iterable[tuple[int, Any]], token_ids: dict[int, list[int]],
-                 file_ids: dict[int, list[int]], keep: frozenset[int] = frozenset(),
-                 kept: dict[int, Any] | None = None) -> dict[int, torch.Tensor]:
+def _read_states(captured: Iterable[tuple[int, Any]], file_ids: dict[int, list[int]],
+                 keep: frozenset[int] = frozenset()) -> dict[int, torch.Tensor]:
     """Captured rows as tensors; a states file the backend handed on (its final shard-to-be) is read and its token
-    ids kept for the check. A row in `keep` goes into `kept` as the backend gave it (file or tensor: the extraction
-    takes it as that row's shard once the probe passes); any other row's file is deleted."""
+    ids kept for the check. A row in `keep` keeps its file (the extraction takes it as that row's shard once the
+    probe passed); any other row's file is deleted."""
     from safetensors.torch import load_file
 
     out: dict[int, torch.Tensor] = {}
     for row, states in captured:
-        if row in keep and kept is not None:
-            kept[row] = states
         if isinstance(states, Path):
             data = load_file(str(states))
             if row not in keep:
@@ -278,10 +280,7 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
     notes: list[str] = []
     n_layers = layer_ids[-1]
     ref_ids = reference_ids(layer_ids, n_layers)
-    token_ids = dict(rows)
-    file_ids: dict[int, list[int]] = {}
-    states: dict[int, torch.Tensor] = {}
-    kept: dict[int, Any] = {}
+    captured: dict[int, Any] = {}
     engine: dict[int, EngineDist] = {}
     paths: list[SecondPath] = []
     is_vllm = hasattr(backend, "logging")
@@ -317,22 +316,22 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
             try:
                 if is_vllm:
                     with backend.logging(TOP_K, prompt_logprobs=prompt_lp) as log:
-                        states.update(_read_states(backend.capture(part), token_ids, file_ids, keep, kept))
+                        captured.update(backend.capture(part))
                     outputs.update(log.outputs)
                 else:
-                    states.update(_read_states(backend.capture(part), token_ids, file_ids, keep, kept))
+                    captured.update(backend.capture(part))
             except WorkbookError as e:  # the backend's own message, said to come from the probe's rows
                 raise WorkbookError(f"the capture probe failed before the first shard: capturing its rows "
                                     f"{[r for r, _ in part]} failed: {e.problem}", e.fix) from e
         if hooks is not None:
             try:
                 got = hooks.collect(rows, [outputs[r].request_id for r, _ in rows])
-                hook_path.states = _read_states(got.items(), token_ids, {})
+                hook_path.states = _read_states(got.items(), {})
             except Exception as e:  # noqa: BLE001
                 hook_path.note = f"could not run: {e}"
     lap("capture")
-    if is_vllm:
-        engine = {r: _dist_from_vllm(outputs[r], len(t)) for r, t in rows if r in outputs}
+    kept = {r: c for r, c in captured.items() if r in keep}
+    if is_vllm:  # the logprobs are parsed by `complete`
         engine_name = "vLLM logprobs of the same engine and forwards (prompt logprobs on the first row)"
     elif hasattr(backend, "reference_forward"):
         path = SecondPath("transformers output_hidden_states, same loaded model", [k for k in ref_ids
@@ -354,16 +353,25 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
         engine_name = ""
         notes.append(f"final-state check skipped: the {type(backend).__name__} backend gives the probe no "
                      "next-token distribution (e.g. a vllm serve endpoint)")
-    lap("engine_distribution")
-    obs = Observed(rows, states, file_ids, engine, engine_name, paths, None, notes, seconds, head_reading=head_future,
-                   cpu_reference_ids=ref_ids if is_vllm or not hasattr(backend, "reference_forward") else None)
+    if not is_vllm:
+        lap("engine_distribution")  # the transformers forwards (vLLM's logprobs came with the capture)
+    obs = Observed(rows, {}, {}, engine, engine_name, paths, None, notes, seconds, head_reading=head_future,
+                   cpu_reference_ids=ref_ids if is_vllm or not hasattr(backend, "reference_forward") else None,
+                   captured=captured, kept_rows=frozenset(kept), outputs=outputs)
     return obs, kept
 
 
 def complete(cfg: WorkbookConfig, obs: Observed, model_dir: Path) -> Observed:
-    """What the probe needs besides the backend, so it can run beside the extraction: the transformers reference on
-    the CPU (a load of its own: vLLM backends, small checkpoints) and the checkpoint's head."""
+    """What the probe needs besides the backend, so it can run beside the extraction: the captures read (states
+    files loaded, a file not kept deleted; vLLM's logprobs parsed: 0.15 s of the 8B probe on the H200, run 9), the
+    transformers reference on the CPU (a load of its own: vLLM backends, small checkpoints) and the checkpoint's
+    head."""
     mark = time.perf_counter()
+    obs.states = _read_states(obs.captured.items(), obs.file_ids, obs.kept_rows)
+    obs.captured = {}
+    obs.engine.update({r: _dist_from_vllm(obs.outputs[r], len(t)) for r, t in obs.rows if r in obs.outputs})
+    t = time.perf_counter()
+    obs.seconds["read_captures"], mark = t - mark, t
     if obs.cpu_reference_ids is not None:
         obs.paths.append(_transformers_reference(cfg, model_dir, obs.cpu_reference_ids, obs.rows))
     t = time.perf_counter()

@@ -196,7 +196,8 @@ def test_probe_passes_the_transformers_backend_and_names_each_planted_fault(tmp_
     final = next(c for c in report["checks"] if c["check"] == "final state")["measured"]
     assert final["top1_agreement"] == 1.0 and final["mean_logprob_error"] < 1e-4, final
     phases = report["phase_seconds"]  # where the seconds went: every phase timed, together within the total
-    assert set(phases) == {"capture", "engine_distribution", "transformers_reference", "checkpoint_head", "checks"}
+    assert set(phases) == {"capture", "engine_distribution", "read_captures", "transformers_reference", "checkpoint_head",
+                           "checks"}
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= report["seconds"] + 0.01, phases
     faults = {"swapped": (TransformersBackend(cfg, tiny_llama_dir, [3, 1, 5, 6]),
                           ["layer identity", "slot 0 holds layer id 3, not 1", "slots in the wrong order"]),
