@@ -6,7 +6,8 @@
 # ipykernel for `eagle3 run`.
 # Usage: [CONFIGS="configs/a.yaml configs/b.yaml"] bash benchmarks/device/make_bundle.sh
 #   (default CONFIGS: the SmolLM2 recipe; writes .carry/bundle/c1..cN; carry one chunk per call, in order)
-# Sizes: the SmolLM2 recipe 5 chunks; configs/qwen-coder-1.5b-h200.yaml 21 (its GGUF alone is 1.1 GB).
+# Sizes (56 MiB chunks, before benchmarks/device/caches): the SmolLM2 recipe 5 chunks; configs/qwen-coder-1.5b-h200.yaml
+# 21 (its GGUF alone is 1.1 GB). With the caches' 23 MB in the tree: 8 and ~34.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.carry/bundle
@@ -26,8 +27,12 @@ pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --
   packaging-* psutil-* python_dateutil-* pyyaml-* pyzmq-* requests-* tqdm-* typing_extensions-* tzdata-* urllib3-* pygments-*)
 mv .carry/stage/nbw/*.whl .carry/stage/wheels/
 tar cf .carry/stage/bundle.tar -C .carry/stage payload.tar wheels
-# 56 MiB: a call carries one chunk AND the working tree (~4 MiB) within its 64 MiB
-split -b 56M -d -a 2 .carry/stage/bundle.tar "$out/part."
+# a call carries one chunk AND the working tree (tracked and untracked files; ~4 MiB of code, plus
+# benchmarks/device/caches' 23 MB) within its 64 MiB: the chunks get what the tree leaves, with 4 MiB to spare
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+chunk=$(( 60 - tree / 1048576 ))
+echo "working tree $(( tree / 1048576 )) MiB: chunks of $chunk MiB"
+split -b "${chunk}M" -d -a 2 .carry/stage/bundle.tar "$out/part."
 for f in "$out"/part.*; do n=${f##*.}; mkdir -p "$out/c$((10#$n + 1))"; mv "$f" "$out/c$((10#$n + 1))/"; done
 rm -rf .carry/stage
 ls -la "$out"/*

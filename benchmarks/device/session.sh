@@ -40,6 +40,9 @@
 #               keeps what it wrote). The replies caches (data/*_cache.jsonl) come back as caches.txz.* (xz, split
 #               15 MiB): a later session carries them and trains the 1x/2x/4x points of issue 21's data curve without
 #               generating again (smaller scales read a prefix of the same draws: every key is per draw/conversation)
+#   curve_online  GPU 0: the data curve from gen_data's committed caches (benchmarks/device/caches/$RUN-x$GEN_SCALE.tar.xz):
+#               stages 00-02, 04 of $RUN-x$GEN_SCALE online with no generation, then stages 05 (1 epoch, online) and
+#               06 (embedded) on forks at each train.train_fraction of CURVE (default "0.5 1")
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
@@ -66,6 +69,11 @@
 # Session 13: two machines lost the same way (an interruption between install and the first poll; a copy call that
 # landed on a new machine, so install found part.01-04 without part.00): a poll on a bare machine and an install
 # missing a part now fail at once (exit 3). Never batch `poll` behind `install` unseen; check each copy's `warm`.
+# Session 14 (2026-12-02): a first call that got no machine cost 91 s, the next one's start 87 s; ready after ~170 s
+# (4 copies at ~4 s, install 74 s), convert 29 s, vllm_extract 296 s, gen_data (x4, 4 engines) 789 s: 1,400 s; then a
+# second machine for the worker alone (VLLM_MODES=vllm-worker): ready 180 s, the bench 150 s. curve_online (not yet
+# run) should take ~2 min of 00-02/04 with every reply cached, then ~7 min (f0.5) and ~13 min (f1) of 05-06: the two
+# points may not both fit one session after the copies; CURVE="1" or "0.5" alone does.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
@@ -111,6 +119,13 @@ bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/genera
 bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/extract.py --backend vllm-all \
   --modes "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" --multiprocess --timeout 240 --weights random \
   --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1; }
+# $CONFIG's own data sources with $1 times every limit and every replies count above 1 (a source answered once stays
+# so), as one -p value: read from the config, not copied here (the replies caches are keyed by the sources' settings,
+# so a copy that drifted would generate everything again)
+scaled_sources() { echo "data.sources=$(python3 -c "import json, sys; from eagle3lib.config import load_config
+x = int(sys.argv[2])
+print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': s.limit * x} if s.limit else {}),
+                   'replies': s.replies * x if s.replies > 1 else 1} for s in load_config(sys.argv[1]).data.sources]))" "$CONFIG" "$1")"; }
 has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
 # stages 05-06 of the small run in a fork: $1 = GPU, $2 = arm name (a | b), the rest = overrides
@@ -149,7 +164,7 @@ poll)
   done
   pack_runs "$OUT/runs.tgz"; df -h /tmp | tail -n 1
   # gen_data's replies caches (only once the plan is done or this is the last poll: FINAL=1; xz on every core)
-  caches=$(ls outputs/"$RUN"-x*/data/*_cache.jsonl 2>/dev/null)
+  caches=""; [[ " $STEPS " == *" gen_data "* ]] && caches=$(ls outputs/"$RUN"-x"${GEN_SCALE:-4}"/data/*_cache.jsonl 2>/dev/null)
   if [ -n "$caches" ] && { [ -f "$RES/DONE" ] || [ "${FINAL:-0}" = 1 ]; }; then
     rm -f "$OUT"/caches.txz.*
     # shellcheck disable=SC2086 - one path per word
@@ -228,14 +243,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       bench_generate 0
       ;;
     gen_data)
-      x=${GEN_SCALE:-4}; grun=$RUN-x$x
-      # $CONFIG's own sources with x times every limit and every replies count above 1 (a source answered once stays
-      # so; read from the config, not copied here: the replies caches are keyed by the sources' settings, so a copy
-      # that drifted would generate everything again)
-      gsrc="data.sources=$(python3 -c "import json, sys; from eagle3lib.config import load_config
-x = int(sys.argv[2])
-print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': s.limit * x} if s.limit else {}),
-                   'replies': s.replies * x if s.replies > 1 else 1} for s in load_config(sys.argv[1]).data.sources]))" "$CONFIG" "$x")"
+      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gsrc=$(scaled_sources "$x")
       step "stages 00-02 of $grun online: ${x}x the recipe's data, ${GEN_ENGINES:-4} generator engines"
       run_on 0 gen_data --run "$grun" --stages 00-02 -p train.hidden_states=online -p "$gsrc" \
         -p "data.gen_engines=${GEN_ENGINES:-4}"
@@ -243,6 +251,22 @@ print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': 
         free_gpus; step "stages 00-02 of $grun again with one generator engine (the cache keeps what was written)"
         run_on 0 gen_data_1 --run "$grun" --stages 00-02 -p train.hidden_states=online -p "$gsrc" -p data.gen_engines=1
       fi
+      ;;
+    curve_online)
+      # issue 21's data curve without generating: the GEN_SCALE run's replies caches (gen_data, committed under
+      # benchmarks/device/caches) unpacked, its stages 00-02 online (every reply cached: no engine starts) and 04,
+      # then stage 05 (one epoch, online) and 06 (embedded: held-out tau) on forks at train.train_fraction = each of
+      # CURVE (default "0.5 1": 2x and 4x the recipe's data as random halves / all of the 4x rows, one validation split)
+      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gsrc=$(scaled_sources "$x")
+      [ -d "outputs/$grun/data" ] || xz -dc "benchmarks/device/caches/$grun.tar.xz" | tar x
+      has_states "$grun" || { step "stages 00-02, 04 of $grun online from the cached replies"
+                              run_on 0 curve_base --run "$grun" --stages 00-02,04 -p train.hidden_states=online -p "$gsrc"; }
+      for f in ${CURVE:-0.5 1}; do
+        step "stages 05-06 of $grun at train.train_fraction=$f, one epoch online"
+        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$grun', 'outputs/$grun-f$f')"
+        run_on 0 "curve_$f" --run "$grun-f$f" --stages 05-06 -p train.hidden_states=online -p "$gsrc" \
+          -p "train.train_fraction=$f" -p train.epochs=1 -p "evaluate.methods=[embedded]"
+      done
       ;;
     vllm_extract)
       step "vLLM prefill vs native and worker capture, random 8B checkpoint"

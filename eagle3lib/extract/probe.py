@@ -44,11 +44,13 @@ Cost: what the extraction waits for is the probe rows' capture (through the same
 request of the extraction), not its judging. The probe rows are captured once: their captures (files or tensors) are
 kept and become their shards (`Pending.kept`); the judging — the CPU reference, the checkpoint's head, the checks —
 runs on a thread beside the extraction, and the shard writer holds every shard until the verdict
-(capture.ShardWriter's gate), so a failure still leaves no shard. Measured before that change: 0.1-0.5 s on the tiny
-test models, 3-4 s for SmolLM2 on a busy 2-core CPU (most of it the transformers forwards), 1.2 s (worker) / 2.7 s
-(native) for an 8B shape on an H200 (docs/engines.md#the-capture-probe says where the seconds went and what took
-them away). Data-parallel transformers capture probes on one more load of the target on the first GPU, before its
-processes start, and waits for the verdict there (the processes write their shards themselves).
+(capture.ShardWriter's gate), so a failure still leaves no shard; reading the captures back (files, logprobs) is
+part of the judging. Measured before that change: 0.1-0.5 s on the tiny test models, 3-4 s for SmolLM2 on a busy
+2-core CPU (most of it the transformers forwards), 1.2 s (worker) / 2.7 s (native) for an 8B shape on an H200; after
+it, the 8B extraction waits 0.9-1.0 s (worker) / 1.4 s (native), net of the rows it no longer captures 0.7-0.8 s /
+1.15 s, under 2% of the benchmark's run (docs/engines.md#the-capture-probe says where the seconds went).
+Data-parallel transformers capture probes on one more load of the target on the first GPU, before its processes
+start, and waits for the verdict there (the processes write their shards themselves).
 """
 
 from __future__ import annotations
