@@ -73,7 +73,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     gen = VllmGenerator(cfg, model_dir, tok)
     res: dict[str, Any] = {"variant": variant, "prompts": len(texts), "max_new_tokens": args.max_new_tokens}
     try:
-        gen._load()
+        gen.start()
         res["engine_start_s"] = gen.start_s
         for temp in args.temperatures:
             barrier(args.barrier, f"t{temp}", index, n)

@@ -233,7 +233,7 @@ def serve(conn: Connection) -> int:
             cfg = WorkbookConfig.model_validate_json(job["cfg"])
             model_dir = Path(job["model_dir"])
             gen = VllmGenerator(cfg, model_dir, load_tokenizer(cfg.target, model_dir))
-            gen._load()
+            gen.start()
             conn.send({"ready": os.getpid(), "start_s": gen.start_s})
             while True:
                 try:

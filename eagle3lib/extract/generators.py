@@ -122,7 +122,9 @@ class VllmGenerator:
         self.max_model_len = 0
         self.start_s = 0.0
 
-    def _load(self) -> Any:
+    def start(self) -> Any:
+        """The engine, started on the first call (`generate` calls it; an engine pool's child calls it before it
+        says it is ready)."""
         if self.llm is None:
             from eagle3lib.extract.backends.vllm_engine import require_vllm
 
@@ -151,7 +153,7 @@ class VllmGenerator:
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
         from vllm import SamplingParams
 
-        llm, tok = self._load(), self.tok
+        llm, tok = self.start(), self.tok
         stop = sorted({tok.eos_token_id} - {None})
         prompts, params, slots = [], [], []
         replies: list[Reply] = [Reply("", 0, False) for _ in texts]
