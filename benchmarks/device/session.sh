@@ -126,11 +126,13 @@ scaled_sources() { echo "data.sources=$(python3 -c "import json, sys; from eagle
 x = int(sys.argv[2])
 print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': s.limit * x} if s.limit else {}),
                    'replies': s.replies * x if s.replies > 1 else 1} for s in load_config(sys.argv[1]).data.sources]))" "$CONFIG" "$1")"; }
+# a run's fork (eagle3lib.rundir.fork_run: hard links, no bytes copied): $1 = the run, $2 = the fork's name
+fork() { python3 -c "import sys; from eagle3lib.rundir import fork_run; fork_run(*sys.argv[1:])" "outputs/$1" "outputs/$2"; }
 has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
 # stages 05-06 of the small run in a fork: $1 = GPU, $2 = arm name (a | b), the rest = overrides
 small_arm() { local gpu=$1 arm=$2; shift 2; has_states "$SRUN" || return 0
-  python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$SRUN', 'outputs/$SRUN-$arm')"
+  fork "$SRUN" "$SRUN-$arm"
   run_on "$gpu" "arm_$arm" --run "$SRUN-$arm" --stages 05-06 "${SMALL[@]}" -p "evaluate.methods=[embedded]" "$@"; }
 
 case "$phase" in
@@ -205,7 +207,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 curve_base --run "$RUN" --stages 00-04; }
       for f in ${CURVE:-0.25 0.5 1}; do
         step "stage 05 at train.train_fraction=$f"
-        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-f$f')"
+        fork "$RUN" "$RUN-f$f"
         run_on 0 "curve_$f" --run "$RUN-f$f" --stages 05 -p "train.train_fraction=$f"
       done
       ;;
@@ -221,7 +223,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
                                 -p train.hidden_states=$base_mode; }
       for arm in $arms; do
         step "stage 05, one epoch, hidden states $arm"
-        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$mrun', 'outputs/$mrun-$arm')"
+        fork "$mrun" "$mrun-$arm"
         case "$arm" in
         offline) run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 05 "${mdata[@]}" -p train.epochs=1 ;;
         online) run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 02,04,05 "${mdata[@]}" -p train.epochs=1 \
@@ -263,7 +265,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
                               run_on 0 curve_base --run "$grun" --stages 00-02,04 -p train.hidden_states=online -p "$gsrc"; }
       for f in ${CURVE:-0.5 1}; do
         step "stages 05-06 of $grun at train.train_fraction=$f, one epoch online"
-        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$grun', 'outputs/$grun-f$f')"
+        fork "$grun" "$grun-f$f"
         run_on 0 "curve_$f" --run "$grun-f$f" --stages 05-06 -p train.hidden_states=online -p "$gsrc" \
           -p "train.train_fraction=$f" -p train.epochs=1 -p "evaluate.methods=[embedded]"
       done
@@ -304,7 +306,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       ( bench_generate "$g1"
         for _ in $(seq 120); do has_states "$RUN" && break; sleep 10; done
         step "fork $RUN -> $RUN-b (stages 05-06 with $AB_PARAMS)"
-        python3 -c "from eagle3lib.rundir import fork_run; fork_run('outputs/$RUN', 'outputs/$RUN-b')"
+        fork "$RUN" "$RUN-b"
         # shellcheck disable=SC2086 - AB_PARAMS is a list of -p KEY=VALUE words
         run_on "$g1" b --run "$RUN-b" --stages 05-06 $AB_PARAMS -p "evaluate.methods=[offline, embedded]" ) &
       wait
