@@ -42,7 +42,7 @@
 #               curve_online unpacks (they hit on the device's image only: docs/engines.md#several-generation-engines)
 #   curve_online  GPU 0: the data curve from gen_data's committed caches (benchmarks/device/caches/$RUN-x$GEN_SCALE.tar.xz):
 #               stages 00-02, 04 of $RUN-x$GEN_SCALE online with no generation, then stages 05 (1 epoch, online) and
-#               06 (embedded) on forks at each train.train_fraction of CURVE (default "0.5 1")
+#               06 (embedded) on forks at each train.train_fraction of CURVE (default "1 0.5"), side by side on GPU 0
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
@@ -146,7 +146,7 @@ launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
   printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q\n' \
-    "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-0.25 0.5 1}" "${ARMS:-offline online spool}" \
+    "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" > "$RES/plan.env"
   setsid nohup bash benchmarks/device/session.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
@@ -245,10 +245,10 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       bench_generate 0
       ;;
     gen_data)
-      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gsrc=$(scaled_sources "$x")
+      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
+        -p "data.gen_engines=${GEN_ENGINES:-4}")
       step "stages 00-02 of $grun online: ${x}x the recipe's data, ${GEN_ENGINES:-4} generator engines"
-      run_on 0 gen_data --run "$grun" --stages 00-02 -p train.hidden_states=online -p "$gsrc" \
-        -p "data.gen_engines=${GEN_ENGINES:-4}"
+      run_on 0 gen_data --run "$grun" --stages 00-02 "${gargs[@]}"
       if ! grep -q "gen_data exit 0 " "$RES/gen_data.log"; then
         free_gpus; step "stages 00-02 of $grun again with one generator engine (the cache keeps what was written)"
         run_on 0 gen_data_1 --run "$grun" --stages 00-02 -p train.hidden_states=online -p "$gsrc" -p data.gen_engines=1
@@ -258,17 +258,24 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # issue 21's data curve without generating: the GEN_SCALE run's replies caches (gen_data, committed under
       # benchmarks/device/caches) unpacked, its stages 00-02 online (every reply cached: no engine starts) and 04,
       # then stage 05 (one epoch, online) and 06 (embedded: held-out tau) on forks at train.train_fraction = each of
-      # CURVE (default "0.5 1": 2x and 4x the recipe's data as random halves / all of the 4x rows, one validation split)
-      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gsrc=$(scaled_sources "$x")
+      # CURVE (default "1 0.5": 4x and 2x the recipe's data as all of / a random half of the 4x rows, one validation
+      # split). gen_data's very settings (data.gen_engines included: the data section's hash is in stage 02's
+      # manifest, and a missed cache then generates on as many engines). The forks run side by side on GPU 0: one
+      # after the other they need ~25 min (1x online, session 11: stage 05 220 s for 7.1M tokens), more than a
+      # session has after the copies, and a 135M target's training leaves most of an H200 idle; their stage times
+      # are then those of two runs sharing one GPU (the note must say so)
+      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
+        -p "data.gen_engines=${GEN_ENGINES:-4}")
       [ -d "outputs/$grun/data" ] || xz -dc "benchmarks/device/caches/$grun.tar.xz" | tar x
       has_states "$grun" || { step "stages 00-02, 04 of $grun online from the cached replies"
-                              run_on 0 curve_base --run "$grun" --stages 00-02,04 -p train.hidden_states=online -p "$gsrc"; }
-      for f in ${CURVE:-0.5 1}; do
-        step "stages 05-06 of $grun at train.train_fraction=$f, one epoch online"
+                              run_on 0 curve_base --run "$grun" --stages 00-02,04 "${gargs[@]}"; }
+      for f in ${CURVE:-1 0.5}; do
+        step "stages 05-06 of $grun at train.train_fraction=$f, one epoch online (side by side)"
         fork "$grun" "$grun-f$f"
-        run_on 0 "curve_$f" --run "$grun-f$f" --stages 05-06 -p train.hidden_states=online -p "$gsrc" \
-          -p "train.train_fraction=$f" -p train.epochs=1 -p "evaluate.methods=[embedded]"
+        run_on 0 "curve_$f" --run "$grun-f$f" --stages 05-06 "${gargs[@]}" -p "train.train_fraction=$f" \
+          -p train.epochs=1 -p "evaluate.methods=[embedded]" &
       done
+      wait
       ;;
     vllm_extract)
       step "vLLM prefill vs native and worker capture, random 8B checkpoint"
