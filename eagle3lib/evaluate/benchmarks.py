@@ -19,13 +19,12 @@ dedup_dropped, by_method, by_category, by_turn}, each a `decoder.Acceptance` dic
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3lib import atomic
+from eagle3lib import atomic, jsonl
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.inputs import EvalInputs
@@ -49,7 +48,7 @@ def fingerprint(files: dict[str, Path], limit: int | None) -> dict[str, Any]:
 
 
 def read_items(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return jsonl.read(path)
 
 
 def select_items(items: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
@@ -153,4 +152,4 @@ def write_asked(path: Path, asked: list[dict[str, Any]], per_prompt: dict[str, l
     """eval/benchmarks/<name>.jsonl: each conversation asked (the target's own earlier answers included) with its
     τ per method, to read which prompts a draft does badly on."""
     rows = [{**a, "tau": {name: accs[i]["tau"] for name, accs in per_prompt.items()}} for i, a in enumerate(asked)]
-    return atomic.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return atomic.write_text(path, jsonl.dumps(rows))

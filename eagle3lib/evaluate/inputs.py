@@ -6,12 +6,11 @@ are rendered once, here, from stage 02's eval split, never from anything trained
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import shards
+from eagle3lib import jsonl, shards
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import StageRun, cache_root
 
@@ -63,7 +62,7 @@ def held_out_categories(inp: EvalInputs, limit: int | None) -> list[str] | None:
     """The category of each held-out prompt (the bundled set has 8), in prompt order; None where there are none."""
     if not inp.eval_prompts.is_file():
         return None
-    cats = [json.loads(line).get("category") for line in inp.eval_prompts.read_text().splitlines() if line.strip()]
+    cats = [r.get("category") for r in jsonl.read(inp.eval_prompts)]
     cats = cats[:limit] if limit else cats
     return [str(c) for c in cats] if cats and all(cats) else None
 
@@ -75,10 +74,7 @@ def held_out_prompt_ids(inp: EvalInputs, tok: Any | None, limit: int | None) -> 
     of the dataset's validation rows: also never trained on. Returns (prompt ids, where they came from).
     """
     if tok is not None:
-        prompts = []
-        for line in inp.eval_prompts.read_text().splitlines():
-            if line.strip():
-                prompts.append(json.loads(line)["messages"])
+        prompts = [r["messages"] for r in jsonl.read(inp.eval_prompts)]
         if not prompts:
             raise WorkbookError(f"{inp.eval_prompts} holds no held-out prompts", "set data.eval_samples > 0, rerun 02")
         prompts = prompts[:limit] if limit else prompts

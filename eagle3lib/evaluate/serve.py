@@ -37,7 +37,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib import atomic, jsonl
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
@@ -302,8 +302,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
         for v in speculating:
             asked = store.methods[f"{v} benchmark {name}"]["value"]
             if v == "eagle3":  # the conversations asked, the server's answers in them
-                atomic.write_text(workdir / f"bench_{name}.jsonl",
-                                  "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in asked["asked"]))
+                atomic.write_text(workdir / f"bench_{name}.jsonl", jsonl.dumps(asked["asked"]))
             rows = benchmark_rows(asked, k, inp.benchmark_info.get(name, {}), len(items), SERVE_ROWS[v])
             add_benchmark_rows(result["benchmark_rows"], {name: rows})
     result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if " benchmark " in n}

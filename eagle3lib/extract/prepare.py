@@ -18,7 +18,6 @@ Pipeline (`prepare`), in this order on purpose:
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib import atomic, jsonl
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.dedup import EvalIndex
@@ -81,7 +80,7 @@ def write_benchmarks(cfg: WorkbookConfig, data_dir: Path) -> dict[str, dict[str,
     for spec in cfg.evaluate.benchmarks:
         bench = read_benchmark(spec)
         path = data_dir / f"bench_{bench.name}.jsonl"
-        atomic.write_text(path, "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in bench.items))
+        atomic.write_text(path, jsonl.dumps(bench.items))
         cats: dict[str, int] = {}
         for it in bench.items:
             cats[it["category"]] = cats.get(it["category"], 0) + 1
@@ -292,7 +291,7 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
     # one prompt's group
     pool = [dict(r, variant=v) if v else r for r in pool for v in range(r.get("replies", 1))]
     eval_prompts = [{"messages": first_prompt(r["messages"]), "category": r.get("category")} for r in evals]
-    atomic.write_text(data_dir / "eval.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in eval_prompts))
+    atomic.write_text(data_dir / "eval.jsonl", jsonl.dumps(eval_prompts))
 
     convs = [r["messages"] for r in pool]
     if d.self_distill:
@@ -340,9 +339,8 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
     n_val = min(n - 1, math.ceil(n * d.val_fraction)) if d.val_fraction > 0 and n >= 2 else 0
     stats.update(dropped_rows=dropped, truncated_rows=truncated)
     split = ["train"] * (n - n_val) + ["val"] * n_val
-    atomic.write_text(data_dir / "train.jsonl", "".join(
-        json.dumps({"messages": c, "category": cat, "split": s}, ensure_ascii=False) + "\n"
-        for c, cat, s in zip(kept, cats, split, strict=True)))
+    atomic.write_text(data_dir / "train.jsonl", jsonl.dumps(
+        {"messages": c, "category": cat, "split": s} for c, cat, s in zip(kept, cats, split, strict=True)))
     return Prepared(ids, masks, kept, cats, n - n_val, n_val, eval_prompts, stats)
 
 

@@ -146,6 +146,23 @@ def test_prepare_self_distills_splits_and_resumes_from_its_cache(tmp_path, smoll
         assert "Paris" in replies["What is the capital of France?"]
 
 
+def test_replies_cache_keeps_replies_holding_unicode_line_separators(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028 and its kin raw, and str.splitlines() splits on them: 3 of the
+    125,670 cached replies of the 4x H200 run were read back torn and generated again (eagle3lib/jsonl.py)."""
+    from eagle3lib import jsonl
+    from eagle3lib.extract.generators import read_cache
+
+    odd = "one\u2028two\u2029three\x85four\x1cfive"  # \x1c: escaped by json.dumps, split by splitlines
+    rows = [{"key": "k1", "reply": odd, "tokens": 7, "finished": True},
+            {"key": "k2", "reply": "plain", "tokens": 1, "finished": False}]
+    path = tmp_path / "distill_cache.jsonl"
+    path.write_text(jsonl.dumps(rows) + '{"key": "k3", "reply": "torn', encoding="utf-8")  # a killed run's last line
+    assert len(path.read_text(encoding="utf-8").splitlines()) == 6  # the trap: the odd reply alone is 4 "lines"
+    assert read_cache(path) == {"k1": rows[0], "k2": rows[1]}
+    path.write_text(jsonl.dumps(rows), encoding="utf-8")
+    assert jsonl.read(path) == rows
+
+
 def test_replies_adds_sampled_replies_to_the_same_prompts(tmp_path, smollm2_dir):
     qs = ["Name a color.", "Say hello in Spanish.", "What is 2 plus 2?", "Count to three.", "Name a fruit."]
     src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in qs])
