@@ -6,9 +6,9 @@ time. Which setting helps (batch size, CUDA-graph capture sizes, async schedulin
 each variant of `data.gen_vllm_args` runs in its own process (a fresh engine, GPU memory freed between) through the
 workbook's own generator (eagle3lib.extract.generators.VllmGenerator), on the same prompts, greedy and sampled.
 
-`--engines N` runs every variant as N engines side by side on the same GPU, each with 1/N of the memory share and
-of the prompts, started together and generating from the same moment (a file barrier once all are up); tokens/s is
-their sum over the time from that moment to the last one's end. Why: a 135M target's decode step is bound by the
+`--engines N` runs every variant on N engines side by side on the same GPU through stage 02's engine pool
+(eagle3lib.extract.engine_pool: 1/N of the memory share each, started one after another, the prompts dealt out);
+tokens/s is all engines' new tokens over the one generate call, from the moment all are up to the last reply. Why: a 135M target's decode step is bound by the
 engine's CPU-side work (scheduling, sampling, output handling), not by the GPU, so several engines may multiply the
 throughput — the lever for more data inside the recipe's 20 minutes. This measures it before stage 02 is built on it.
 
@@ -55,89 +55,53 @@ def prompts(tok: Any, n: int) -> list[str]:
 
 
 def one(args: argparse.Namespace) -> dict[str, Any]:
-    """One variant in this process: engine start, then each temperature over every prompt."""
+    """One variant on `--one-engines` engines, in this process, through stage 02's own generator (make_generator:
+    one VllmGenerator, or the engine pool for N > 1): the engines' start, then each temperature over every prompt in
+    one call (the pool deals them out, one share per engine)."""
     from eagle3lib.config import load_config
-    from eagle3lib.extract.generators import VllmGenerator
+    from eagle3lib.extract.generators import make_generator
     from eagle3lib.target import load_tokenizer, resolve_model_path
 
-    variant = json.loads(args.one)
-    index, n = args.share  # this engine answers prompts index, index + n, ...
-    base = load_config(args.config, args.param)
+    variant, n = json.loads(args.one), args.one_engines
     cfg = load_config(args.config, ["data.generator=vllm", f"data.gen_vllm_args={json.dumps(variant)}",
-                                    f"data.gen_batch_size={args.prompts}", f"run.seed={base.run.seed + index}",
-                                    f"extract.gpu_memory_utilization={base.extract.gpu_memory_utilization / n}",
-                                    *args.param])
+                                    f"data.gen_batch_size={args.prompts}", f"data.gen_engines={n}", *args.param])
     model_dir = resolve_model_path(cfg.target)
     tok = load_tokenizer(cfg.target, model_dir)
-    texts = prompts(tok, args.prompts)[index::n]
-    gen = VllmGenerator(cfg, model_dir, tok)
-    res: dict[str, Any] = {"variant": variant, "prompts": len(texts), "max_new_tokens": args.max_new_tokens}
+    texts = prompts(tok, args.prompts)
+    gen = make_generator(cfg, model_dir, tok)
+    res: dict[str, Any] = {"variant": variant, "engines": n, "prompts": len(texts),
+                           "max_new_tokens": args.max_new_tokens}
     try:
         gen.start()
         res["engine_start_s"] = gen.start_s
+        res["engine_start_s_each"] = getattr(gen, "start_each_s", [gen.start_s])
         for temp in args.temperatures:
-            barrier(args.barrier, f"t{temp}", index, n)
-            start = time.time()
+            t = time.perf_counter()
             replies = gen.generate(texts, temp, args.max_new_tokens, [0] * len(texts))
-            end = time.time()
+            secs = time.perf_counter() - t
             toks = sum(r.tokens for r in replies)
-            res[f"t{temp}"] = {"new_tokens": toks, "seconds": round(end - start, 2),
-                               "tokens_per_s": round(toks / (end - start), 1),
-                               "finished": sum(r.finished for r in replies), "start": start, "end": end}
-            log(f"{variant} engine {index + 1}/{n} temperature {temp}: {toks:,} tokens in {end - start:.1f} s")
+            res[f"t{temp}"] = {"new_tokens": toks, "seconds": round(secs, 2), "tokens_per_s": round(toks / secs, 1),
+                               "finished": sum(r.finished for r in replies)}
+            log(f"{variant} on {n} engine(s), temperature {temp}: {toks:,} tokens in {secs:.1f} s")
     finally:
         gen.close()
     return res
 
 
-def barrier(folder: str | None, name: str, index: int, n: int, timeout_s: float = 600.0) -> None:
-    """Wait until all n engines reached this point (each leaves a file), so they generate from the same moment."""
-    if folder is None or n == 1:
-        return
-    Path(folder, f"{name}.{index}").touch()
-    deadline = time.time() + timeout_s
-    while len(list(Path(folder).glob(f"{name}.*"))) < n:
-        if time.time() > deadline:
-            raise SystemExit(f"barrier {name}: only {len(list(Path(folder).glob(f'{name}.*')))} of {n} engines came")
-        time.sleep(0.05)
-
-
 def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One variant as n engines side by side (fresh processes); their results summed over the common window."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="eagle3-generate-") as folder:
-        procs = [subprocess.Popen([sys.executable, __file__, "--one", variant, "--share", str(i), str(n),
-                                   "--barrier", folder, *sys.argv[1:]],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-                 for i in range(n)]
-        parts, errors = [], []
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                errors.append(f"not finished in {args.timeout} s")
-                continue
-            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            if lines:
-                parts.append(json.loads(lines[-1][7:]))
-            else:
-                errors.append(f"exit {p.returncode}: {err.strip()[-600:]}")
-    res: dict[str, Any] = {"variant": json.loads(variant), "engines": n}
-    if errors or not parts:
-        return {**res, "error": "; ".join(errors) or "no result"}
-    res["prompts"] = sum(p["prompts"] for p in parts)
-    res["engine_start_s"] = max(p["engine_start_s"] for p in parts)
-    for temp in args.temperatures:
-        key = f"t{temp}"
-        toks = sum(p[key]["new_tokens"] for p in parts)
-        secs = max(p[key]["end"] for p in parts) - min(p[key]["start"] for p in parts)
-        res[key] = {"new_tokens": toks, "seconds": round(secs, 2), "tokens_per_s": round(toks / secs, 1),
-                    "finished": sum(p[key]["finished"] for p in parts),
-                    "per_engine_tokens_per_s": [p[key]["tokens_per_s"] for p in parts]}
-    return res
+    """One variant on n engines in a fresh process (its GPU memory is free again when it exits)."""
+    p = subprocess.Popen([sys.executable, __file__, "--one", variant, "--one-engines", str(n), *sys.argv[1:]],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        out, err = p.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        return {"variant": json.loads(variant), "engines": n, "error": f"not finished in {args.timeout} s"}
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"variant": json.loads(variant), "engines": n, "error": f"exit {p.returncode}: {err.strip()[-600:]}"}
+    return json.loads(lines[-1][7:])
 
 
 def main() -> None:
@@ -151,9 +115,8 @@ def main() -> None:
     ap.add_argument("--engines", type=int, nargs="+", default=[1], help="engines side by side on the GPU, per run")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one engine of a variant in this process
-    ap.add_argument("--share", type=int, nargs=2, default=[0, 1], help=argparse.SUPPRESS)  # index, engines
-    ap.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant in this process
+    ap.add_argument("--one-engines", type=int, default=1, help=argparse.SUPPRESS)  # on that many engines
     args = ap.parse_args()
     if args.one is not None:
         print("RESULT " + json.dumps(one(args)), flush=True)

@@ -8,13 +8,23 @@ benchmarks/results/generate_engines_h200.json). Processes, not threads: that CPU
 Each child holds one `VllmGenerator` built from the run's config except for two things (`engine_config`): 1/N of
 `extract.gpu_memory_utilization` and `run.seed + i` for engine i. Its engine runs as any stage 02 engine does
 (vllm_engine.prepare_environment: in-process on the CPU; on a GPU its engine core in a process of its own, as in the
-x1.41 measurement: in-process, scheduling and output handling would share one GIL). Each engine keeps its own
-VLLM_CACHE_ROOT (`<run>/cache/vllm/gen_engine_<i>`): N engines compiling their graphs at the same moment into one
-cache folder is a race this avoids; a rerun finds each engine's compiled graphs. `EnginePoolGenerator`, what
-`make_generator` returns for N > 1, starts all N at once on the first `generate` call (a fully cached rerun starts
+x1.41 measurement: in-process, scheduling and output handling would share one GIL). `EnginePoolGenerator`, what
+`make_generator` returns for N > 1, starts the N engines on the first `generate` call (a fully cached rerun starts
 none), deals text j to engine j % N (generate_cached sorts a chunk by length, so the shares are alike), sends every
 share, then gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N,
 since each engine samples from its own seed.
+
+The engines start one after another, each once the one before is ready. Started at once, they raced: vLLM sizes its
+KV cache from the change in the GPU's free memory while it profiles (vllm/v1/worker/gpu_worker.py,
+determine_available_memory: "we assume that the other processes using the same GPU did not change their memory
+usage during the profiling"), so an engine that profiled while another allocated its cache counted that cache as
+its own use; on one H200 engine 2 of 4 failed with "No available memory for the cache blocks" (available -0.19 GiB,
+2026-12-02), and an engine that survives such a race silently gets a smaller cache. An engine that is ready holds its
+memory still (the pool sends no work before all are up), so each profile sees only its own. One after another also
+lets all N share the run's compile cache (VLLM_CACHE_ROOT, `<run>/cache/vllm`, as any stage 02 engine): the first
+compiles, the others find its graphs (vLLM's compile hash leaves out the seed and gpu_memory_utilization, the two
+things that differ), and no two engines ever compile into that folder at once. Each engine's own start is
+`start_each_s`, recorded in stage 02's manifest.
 
 The channel is one socket pair per child (its end inherited as `--fd`), pickled messages in multiprocessing's
 Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engine_<i>.log:
@@ -78,15 +88,13 @@ class _Engine:
     @classmethod
     def start(cls, index: int, cfg: WorkbookConfig, model_dir: Path, log: Path) -> _Engine:
         from eagle3lib.processes import popen_with_parent
-        from eagle3lib.rundir import cache_root
 
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root(cfg) / "vllm" / f"gen_engine_{index}")}
         try:
             with open(log, "w") as out:
                 proc = popen_with_parent([sys.executable, "-m", "eagle3lib.extract.engine_pool", "--fd",
                                           str(theirs.fileno())], stdout=out, stderr=subprocess.STDOUT,
-                                         pass_fds=(theirs.fileno(),), env=env)
+                                         pass_fds=(theirs.fileno(),))
         except BaseException:
             ours.close()
             raise
@@ -111,9 +119,12 @@ class EnginePoolGenerator:
         self.batch_size = self.engines * vllm_batch_size(cfg)
         self.children: list[_Engine] = []
         self.start_s = 0.0  # from the first child's start to the last engine's readiness
+        self.start_each_s: list[float] = []  # each engine's own start, as its child measured it
         self.pids: list[int] = []  # the children's, once their engines are up
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """The N engines, started one after another (the module's docstring says why) on the first `generate`
+        call; benchmarks/generate.py calls it to time the start apart from the generation."""
         if self.children:
             return
         from eagle3lib.rundir import cache_root
@@ -123,17 +134,18 @@ class EnginePoolGenerator:
         logs.mkdir(parents=True, exist_ok=True)
         try:
             for i in range(self.engines):
-                self.children.append(_Engine.start(i, engine_config(self.cfg, i), self.model_dir,
-                                                   logs / f"gen_engine_{i}.log"))
+                child = _Engine.start(i, engine_config(self.cfg, i), self.model_dir, logs / f"gen_engine_{i}.log")
+                self.children.append(child)
+                ready = self._gather([child], "to start")[i]
+                self.pids.append(ready["ready"])
+                self.start_each_s.append(ready["start_s"])
         except BaseException:
             self.close()
             raise
-        ready = self._gather(self.children, "to start")
-        self.pids = [ready[c.index]["ready"] for c in self.children]
         self.start_s = round(time.perf_counter() - t0, 2)
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
-        self._start()
+        self.start()
         n = self.engines
         busy = []
         for child in self.children:
@@ -192,7 +204,8 @@ class EnginePoolGenerator:
         """Stop every child and wait until it has exited (its GPU memory is then free, before extraction loads the
         target again). An idle child gets a stop message (it closes its engine and exits) and signals only after
         STOP_GRACE_S; one still starting or generating (another failed, or the user interrupted) gets SIGTERM at
-        once, which it also leaves through closing its engine (eagle3lib.processes.stop_process_tree)."""
+        once, which it also leaves through closing its engine, with the same grace before SIGKILL
+        (eagle3lib.processes.stop_process_tree)."""
         from eagle3lib.processes import descendants, stop_process_tree
 
         children, self.children = self.children, []
@@ -206,10 +219,9 @@ class EnginePoolGenerator:
             if not c.idle:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.send_signal(signal.SIGTERM)  # all at once: each then has the same grace
-        for c in children:
-            if c.idle:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for c in children:  # both kinds get the grace: closing an engine on a busy 2-core CI box took over 10 s
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         for c in children:
             stop_process_tree(c.proc, grace_s=10, known=below[c.index])
             c.conn.close()

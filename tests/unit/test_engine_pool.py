@@ -67,7 +67,10 @@ def chat_texts(tok, questions: list[str]) -> list[str]:
 @needs_vllm
 def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, smol_tok, smollm2_dir, monkeypatch):
     """Greedy replies through 2 engine processes equal one in-process VllmGenerator's, in the input order; each
-    engine is its own process with its own log; close stops both by the stop message and leaves no child."""
+    engine is its own process with its own log, started once the one before is ready; close stops both by the stop
+    message and leaves no child."""
+    import psutil
+
     from eagle3lib.extract.engine_pool import EnginePoolGenerator
     from eagle3lib.extract.generators import VllmGenerator, make_generator
     from eagle3lib.rundir import cache_root
@@ -89,7 +92,11 @@ def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, 
         assert got == ref
         procs = [c.proc for c in gen.children]
         assert len(set(gen.pids)) == 2 and os.getpid() not in gen.pids and gen.pids == [p.pid for p in procs]
-        assert gen.start_s > 0
+        assert gen.start_s > 0 and len(gen.start_each_s) == 2 and min(gen.start_each_s) > 0
+        # one after another (engines profiling the GPU's free memory at once raced): engine 1's process began only
+        # once engine 0's engine was up, which took start_each_s[0] after its process began (create_time: 10 ms)
+        born = [psutil.Process(pid).create_time() for pid in gen.pids]
+        assert born[1] >= born[0] + gen.start_each_s[0] - 0.02, (born, gen.start_each_s)
         for i, pid in enumerate(gen.pids):
             log = (cache_root(cfg) / "logs" / f"gen_engine_{i}.log").read_text()
             assert f"pid={pid})" in log  # vLLM's log lines name the process that wrote them
