@@ -6,7 +6,14 @@ train.train_fraction=F`) trains stage 05 again on forks of one run, each on the 
 training rows, with the same validation rows and the same epochs (so fewer optimizer steps on less data: the curve
 is what a user gets from F of the data with this recipe, not data at a fixed step count). This script reads each
 fork's draft/result.json (train_rows, train_tokens, val_eal, per-position acceptance) and writes one JSON and one
-figure: validation EAL (and each position's acceptance) against training tokens per epoch, log2 axis.
+figure: validation EAL (and each position's acceptance) against training tokens per epoch, log2 axis. A fork that
+ran stage 06 adds its held-out tau (by method, and by benchmark where evaluate.benchmarks asked for them); every
+fork adds its stages' seconds (its manifests: a fork's copied stages 00-04 are the base run's).
+
+`session.sh STEPS=curve_online` trains its forks online from one stage 02 of 4x the recipe's data; `--reference
+FILE:ARM` adds an arm of a benchmarks/hidden_state_modes.py result (e.g. the 1x recipe's one online epoch,
+benchmarks/results/online_smollm2_h200.json:online) as a point marked `reference`; a per_doubling step from or to
+it says `across_validation_sets`: its validation rows are its own run's, not the forks'.
 
     python benchmarks/data_curve.py outputs/RUN-f0.25 outputs/RUN-f0.5 outputs/RUN \
         --out benchmarks/results/data_curve_qwen15_h200.json --note "what ran, where, at which commit"
@@ -36,7 +43,36 @@ def point(run_dir: Path) -> dict:
             "tokens_seen": res["train_tokens"], "epochs": epochs, "optimizer_steps": res["global_step"],
             "val_eal": round(res["val_eal"], 4), "val_full_acc": [round(a, 4) for a in res["val_full_acc"]],
             "train_eal": round(res["train_eal"], 4), "train_seconds": res.get("train_seconds"),
-            "phase_seconds": res.get("phase_seconds")}
+            "phase_seconds": res.get("phase_seconds"), **held_out(run_dir), "stage_seconds": stage_seconds(run_dir)}
+
+
+def held_out(run_dir: Path) -> dict:
+    """Stage 06's tau on the held-out prompts (eval/results.json), by method and by benchmark; nothing if it did
+    not run."""
+    path = run_dir / "eval" / "results.json"
+    if not path.is_file():
+        return {}
+    res = json.loads(path.read_text())
+    out = {"eval_k": res.get("k"), "tau_heldout": {m: a["tau"] for m, a in res.get("by_method", {}).items()}}
+    if res.get("tau_by_benchmark"):
+        out["tau_by_benchmark"] = {b: {m: a["tau"] for m, a in r["by_method"].items()}
+                                   for b, r in res["tau_by_benchmark"].items()}
+    return out
+
+
+def stage_seconds(run_dir: Path) -> dict:
+    return {p.stem: json.loads(p.read_text()).get("seconds") for p in sorted((run_dir / "manifests").glob("*.json"))}
+
+
+def reference_point(spec: str) -> dict:
+    """FILE:ARM of a benchmarks/hidden_state_modes.py result: its run, tokens per epoch and validation EAL."""
+    path, _, name = spec.rpartition(":")
+    res = json.loads(Path(path).read_text())
+    arm = res["arms"][name]
+    epochs = arm.get("epochs_done") or 1
+    return {"run": f"{res['run']}-{name}", "reference": spec, "tokens_per_epoch": round(arm["train_tokens"] / epochs),
+            "tokens_seen": arm["train_tokens"], "epochs": epochs, "val_eal": round(arm["val_eal"], 4),
+            "train_seconds": arm.get("train_seconds"), "stage_seconds": arm.get("stage_seconds")}
 
 
 def per_doubling(points: list[dict]) -> list[dict]:
@@ -45,7 +81,8 @@ def per_doubling(points: list[dict]) -> list[dict]:
     for a, b in zip(points, points[1:], strict=False):
         doublings = math.log2(b["tokens_per_epoch"] / a["tokens_per_epoch"])
         out.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3),
-                    "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4)})
+                    "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4),
+                    **({"across_validation_sets": True} if "reference" in a or "reference" in b else {})})
     return out
 
 
@@ -55,13 +92,16 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     fig, axes = figure(1, 2, figsize=(11, 4))
     xs = [p["tokens_per_epoch"] / 1e6 for p in points]
     axes[0].plot(xs, [p["val_eal"] for p in points], "o-", color="C3", label="validation EAL")
-    axes[0].plot(xs, [p["train_eal"] for p in points], "s--", color="C0", alpha=0.6, label="train EAL (last epoch)")
+    own = [(x, p) for x, p in zip(xs, points, strict=True) if "train_eal" in p]  # a reference point has no more
+    axes[0].plot([x for x, _ in own], [p["train_eal"] for _, p in own], "s--", color="C0", alpha=0.6,
+                 label="train EAL (last epoch)")
     for p, x in zip(points, xs, strict=True):
         axes[0].annotate(f"{p['val_eal']:.2f}", (x, p["val_eal"]), textcoords="offset points", xytext=(0, 6),
                          ha="center", fontsize=8)
     axes[0].set_title("expected acceptance length vs training data", fontsize=10)
-    for s in range(len(points[0]["val_full_acc"])):
-        axes[1].plot(xs, [p["val_full_acc"][s] for p in points], "o-", color=f"C{s}", label=f"position {s + 1}")
+    for s in range(len(own[0][1]["val_full_acc"])):
+        axes[1].plot([x for x, _ in own], [p["val_full_acc"][s] for _, p in own], "o-", color=f"C{s}",
+                     label=f"position {s + 1}")
     axes[1].set_title("validation acceptance per draft position", fontsize=10)
     for ax in axes:
         ax.set_xscale("log", base=2)
@@ -77,8 +117,12 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path, help="run folders with draft/result.json (any order)")
     ap.add_argument("--out", type=Path, required=True, help="JSON to write; the figure goes beside it (.png)")
     ap.add_argument("--note", default="", help="what ran, on which machine, at which commit")
+    ap.add_argument("--reference", action="append", default=[], metavar="FILE:ARM",
+                    help="an arm of a benchmarks/hidden_state_modes.py JSON, as a point measured elsewhere")
     args = ap.parse_args()
-    points = sorted((point(r) for r in args.runs), key=lambda p: p["tokens_per_epoch"])
+    forks = [point(r) for r in args.runs]
+    refs = [reference_point(r) for r in args.reference]
+    points = sorted(forks + refs, key=lambda p: p["tokens_per_epoch"])
     out = {"note": args.note, "points": points, "per_doubling": per_doubling(points)}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(points, args.out.with_suffix(".png"), f"data-volume curve: {', '.join(p['run'] for p in points)}")

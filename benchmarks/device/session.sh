@@ -42,7 +42,8 @@
 #               curve_online unpacks (they hit on the device's image only: docs/engines.md#several-generation-engines)
 #   curve_online  GPU 0: the data curve from gen_data's committed caches (benchmarks/device/caches/$RUN-x$GEN_SCALE.tar.xz):
 #               stages 00-02, 04 of $RUN-x$GEN_SCALE online with no generation, then stages 05 (1 epoch, online) and
-#               06 (embedded) on forks at each train.train_fraction of CURVE (default "1 0.5"), side by side on GPU 0
+#               06 (embedded) on forks at each train.train_fraction of CURVE (default "1": 0.5 ran in session 17),
+#               side by side on GPU 0 when there are several
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
@@ -71,9 +72,11 @@
 # missing a part now fail at once (exit 3). Never batch `poll` behind `install` unseen; check each copy's `warm`.
 # Session 14 (2026-12-02): a first call that got no machine cost 91 s, the next one's start 87 s; ready after ~170 s
 # (4 copies at ~4 s, install 74 s), convert 29 s, vllm_extract 296 s, gen_data (x4, 4 engines) 789 s: 1,400 s; then a
-# second machine for the worker alone (VLLM_MODES=vllm-worker): ready 180 s, the bench 150 s. curve_online (not yet
-# run) should take ~2 min of 00-02/04 with every reply cached, then ~7 min (f0.5) and ~13 min (f1) of 05-06: the two
-# points may not both fit one session after the copies; CURVE="1" or "0.5" alone does.
+# second machine for the worker alone (VLLM_MODES=vllm-worker): ready 180 s, the bench 150 s.
+# Session 17 (2026-12-03), STEPS=curve_online CURVE=0.5: four calls that got no machine cost ~450 s; then ready after
+# ~130 s (8 copies at ~6 s, install 67 s), convert 24 s, the base (00-02, 04, every reply cached) 257 s, the f0.5 fork
+# alone 855 s (05 459: untrained validation 106, the epoch 322; 06 embedded 384: held-out 116, MT-Bench 244). f1
+# should take ~05 800 + 06 384 s: CURVE=1 alone fits a session that gets a machine at its first call (~1,600 s).
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
@@ -251,25 +254,24 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       run_on 0 gen_data --run "$grun" --stages 00-02 "${gargs[@]}"
       if ! grep -q "gen_data exit 0 " "$RES/gen_data.log"; then
         free_gpus; step "stages 00-02 of $grun again with one generator engine (the cache keeps what was written)"
-        run_on 0 gen_data_1 --run "$grun" --stages 00-02 -p train.hidden_states=online -p "$gsrc" -p data.gen_engines=1
+        run_on 0 gen_data_1 --run "$grun" --stages 00-02 "${gargs[@]}" -p data.gen_engines=1
       fi
       ;;
     curve_online)
       # issue 21's data curve without generating: the GEN_SCALE run's replies caches (gen_data, committed under
       # benchmarks/device/caches) unpacked, its stages 00-02 online (every reply cached: no engine starts) and 04,
       # then stage 05 (one epoch, online) and 06 (embedded: held-out tau) on forks at train.train_fraction = each of
-      # CURVE (default "1 0.5": 4x and 2x the recipe's data as all of / a random half of the 4x rows, one validation
-      # split). gen_data's very settings (data.gen_engines included: the data section's hash is in stage 02's
-      # manifest, and a missed cache then generates on as many engines). The forks run side by side on GPU 0: one
-      # after the other they need ~25 min (1x online, session 11: stage 05 220 s for 7.1M tokens), more than a
-      # session has after the copies, and a 135M target's training leaves most of an H200 idle; their stage times
-      # are then those of two runs sharing one GPU (the note must say so)
+      # CURVE (default "1": 4x the recipe's data; 0.5, a random half of the 4x rows = 2x, ran in session 17; one
+      # validation split for all). gen_data's very settings (data.gen_engines included: the data section's hash is
+      # in stage 02's manifest, and a missed cache then generates on as many engines). Several forks run side by
+      # side on GPU 0 (how much they slow each other is not measured): their stage times are then those of runs
+      # sharing one GPU (the note must say so)
       x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
         -p "data.gen_engines=${GEN_ENGINES:-4}")
       [ -d "outputs/$grun/data" ] || xz -dc "benchmarks/device/caches/$grun.tar.xz" | tar x
       has_states "$grun" || { step "stages 00-02, 04 of $grun online from the cached replies"
                               run_on 0 curve_base --run "$grun" --stages 00-02,04 "${gargs[@]}"; }
-      for f in ${CURVE:-1 0.5}; do
+      for f in ${CURVE:-1}; do
         step "stages 05-06 of $grun at train.train_fraction=$f, one epoch online (side by side)"
         fork "$grun" "$grun-f$f"
         run_on 0 "curve_$f" --run "$grun-f$f" --stages 05-06 "${gargs[@]}" -p "train.train_fraction=$f" \

@@ -14,24 +14,26 @@ none), deals text j to engine j % N (generate_cached sorts a chunk by length, so
 share, then gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N,
 since each engine samples from its own seed.
 
-The engines start one after another, each once the one before is ready. Started at once, they raced: vLLM sizes its
+The engines start one after another, each once the one before is ready; only their imports overlap (all N processes
+begin at once, import vLLM, ~13 s of CPU each, and wait for their turn). Started at once, they raced: vLLM sizes its
 KV cache from the change in the GPU's free memory while it profiles (vllm/v1/worker/gpu_worker.py,
 determine_available_memory: "we assume that the other processes using the same GPU did not change their memory
 usage during the profiling"), so an engine that profiled while another allocated its cache counted that cache as
 its own use; on one H200 engine 2 of 4 failed with "No available memory for the cache blocks" (available -0.19 GiB,
 2026-12-02), and an engine that survives such a race silently gets a smaller cache. An engine that is ready holds its
-memory still (the pool sends no work before all are up), so each profile sees only its own. One after another also
-lets all N share the run's compile cache (VLLM_CACHE_ROOT, `<run>/cache/vllm`, as any stage 02 engine): the first
-compiles, the others find its graphs (vLLM's compile hash leaves out the seed and gpu_memory_utilization, the two
-things that differ), and no two engines ever compile into that folder at once. Each engine's own start is
-`start_each_s`, recorded in stage 02's manifest.
+memory still (the pool sends no work before all are up) and an import takes no GPU memory, so each profile sees only
+its own. One after another also lets all N share the run's compile cache (VLLM_CACHE_ROOT, `<run>/cache/vllm`, as
+any stage 02 engine): the first compiles, the others find its graphs (vLLM's compile hash leaves out the seed and
+gpu_memory_utilization, the two things that differ), and no two engines ever compile into that folder at once. Each
+engine's own start is `start_each_s`, recorded in stage 02's manifest.
 
 The channel is one socket pair per child (its end inherited as `--fd`), pickled messages in multiprocessing's
 Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engine_<i>.log:
-    parent -> child   {"cfg", "model_dir", "cwd"} once; {"texts", "temperature", "max_new_tokens", "seeds"} per
-                      share; {"stop": True} at the end
-    child -> parent   {"ready": pid, "start_s"} once its engine is up; {"replies": [Reply]} per share; or
-                      {"error": text} instead of either, after which it exits
+    parent -> child   {"cfg", "model_dir", "cwd"} once; {"go": True} once the engine before is up (its turn to
+                      start); {"texts", "temperature", "max_new_tokens", "seeds"} per share; {"stop": True} at the end
+    child -> parent   {"ready": pid, "start_s", "began"} once its engine is up (`began`: time.time() at its
+                      turn); {"replies": [Reply]} per share; or {"error": text} instead of either, after which
+                      it exits
 A child that dies is end-of-file on its socket. On an error or a death the pool stops every child and raises one
 WorkbookError naming the engine and quoting its log; the cache keeps every chunk generated before. `close` sends an
 idle child the stop message and one still starting or generating SIGTERM (both leave through closing the engine),
@@ -121,6 +123,7 @@ class EnginePoolGenerator:
         self.start_s = 0.0  # from the first child's start to the last engine's readiness
         self.start_each_s: list[float] = []  # each engine's own start, as its child measured it
         self.pids: list[int] = []  # the children's, once their engines are up
+        self.began: list[float] = []  # time.time() at which each engine's own start began (its turn)
 
     def start(self) -> None:
         """The N engines, started one after another (the module's docstring says why) on the first `generate`
@@ -133,12 +136,18 @@ class EnginePoolGenerator:
         logs = cache_root(self.cfg) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         try:
-            for i in range(self.engines):
-                child = _Engine.start(i, engine_config(self.cfg, i), self.model_dir, logs / f"gen_engine_{i}.log")
-                self.children.append(child)
-                ready = self._gather([child], "to start")[i]
+            for i in range(self.engines):  # every process at once: their imports overlap
+                self.children.append(_Engine.start(i, engine_config(self.cfg, i), self.model_dir,
+                                                   logs / f"gen_engine_{i}.log"))
+            for child in self.children:  # their engines one after another
+                try:
+                    child.conn.send({"go": True})
+                except OSError:
+                    self._fail(child, "to start", "its process exited")
+                ready = self._gather([child], "to start")[child.index]
                 self.pids.append(ready["ready"])
                 self.start_each_s.append(ready["start_s"])
+                self.began.append(ready["began"])
         except BaseException:
             self.close()
             raise
@@ -236,6 +245,7 @@ def serve(conn: Connection) -> int:
 
     job = conn.recv()
     os.chdir(job["cwd"])  # relative paths in the config mean what they mean to the parent
+    from eagle3lib.extract.backends.vllm_engine import prepare_environment
     from eagle3lib.extract.generators import VllmGenerator
     from eagle3lib.target import load_tokenizer
 
@@ -245,8 +255,17 @@ def serve(conn: Connection) -> int:
             cfg = WorkbookConfig.model_validate_json(job["cfg"])
             model_dir = Path(job["model_dir"])
             gen = VllmGenerator(cfg, model_dir, load_tokenizer(cfg.target, model_dir))
+            prepare_environment(cfg)  # what vLLM reads, in place before its import (VllmGenerator.start sets it too)
+            import vllm.entrypoints.llm  # noqa: F401 - vLLM's imports, while the engines before this one start
+
+            try:
+                if not conn.recv().get("go"):
+                    return 0  # stopped before its turn
+            except EOFError:
+                return 0  # the parent is gone
+            began = time.time()
             gen.start()
-            conn.send({"ready": os.getpid(), "start_s": gen.start_s})
+            conn.send({"ready": os.getpid(), "start_s": gen.start_s, "began": began})
             while True:
                 try:
                     msg = conn.recv()
