@@ -61,7 +61,9 @@ def held_out(run_dir: Path) -> dict:
 
 
 def stage_seconds(run_dir: Path) -> dict:
-    return {p.stem: json.loads(p.read_text()).get("seconds") for p in sorted((run_dir / "manifests").glob("*.json"))}
+    from eagle3lib.evaluate.report import read_manifests
+
+    return {m["stage"]: m.get("seconds") for m in read_manifests(run_dir).values()}
 
 
 def reference_point(spec: str) -> dict:

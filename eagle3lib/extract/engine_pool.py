@@ -259,8 +259,7 @@ def serve(conn: Connection) -> int:
             import vllm.entrypoints.llm  # noqa: F401 - vLLM's imports, while the engines before this one start
 
             try:
-                if not conn.recv().get("go"):
-                    return 0  # stopped before its turn
+                conn.recv()  # {"go": True}: this engine's turn (a stop before it comes as SIGTERM)
             except EOFError:
                 return 0  # the parent is gone
             began = time.time()
