@@ -75,6 +75,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         gen.start()
         res["engine_start_s"] = gen.start_s
         res["engine_start_s_each"] = getattr(gen, "start_each_s", [gen.start_s])
+        print("STARTED " + json.dumps(res), flush=True)  # what a variant cut off by --timeout still reports
         for temp in args.temperatures:
             t = time.perf_counter()
             replies = gen.generate(texts, temp, args.max_new_tokens, [0] * len(texts))
@@ -96,12 +97,31 @@ def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, Any
         out, err = p.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        p.communicate()
-        return {"variant": json.loads(variant), "engines": n, "error": f"not finished in {args.timeout} s"}
+        out, err = p.communicate()
+        started = [ln for ln in out.splitlines() if ln.startswith("STARTED ")]
+        return {**(json.loads(started[-1][8:]) if started else {"variant": json.loads(variant), "engines": n}),
+                "error": f"not finished in {args.timeout} s" + ("" if started else " (the engines not all up)"),
+                "log_tails": log_tails(err, n, args)}
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         return {"variant": json.loads(variant), "engines": n, "error": f"exit {p.returncode}: {err.strip()[-600:]}"}
     return json.loads(lines[-1][7:])
+
+
+def log_tails(err: str, n: int, args: argparse.Namespace) -> dict[str, list[str]]:
+    """Where a variant cut off by --timeout was: the last lines of its stderr (one engine's vLLM log) and of each
+    pool engine's log (eagle3lib.extract.engine_pool writes <run>/cache/logs/gen_engine_<i>.log). Session 18's
+    4-engine round came back as a bare "not finished in 240 s": nothing said whether an engine hung or time ran out."""
+    from eagle3lib.config import load_config
+    from eagle3lib.rundir import cache_root
+
+    tails = {"stderr": err.strip().splitlines()[-3:]}
+    if n > 1:
+        logs = cache_root(load_config(args.config, args.param)) / "logs"
+        for i in range(n):
+            log = logs / f"gen_engine_{i}.log"
+            tails[log.name] = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+    return tails
 
 
 def main() -> None:

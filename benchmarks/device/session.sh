@@ -77,6 +77,10 @@
 # ~130 s (8 copies at ~6 s, install 67 s), convert 24 s, the base (00-02, 04, every reply cached) 257 s, the f0.5 fork
 # alone 855 s (05 459: untrained validation 106, the epoch 322; 06 embedded 384: held-out 116, MT-Bench 244). f1
 # should take ~05 800 + 06 384 s: CURVE=1 alone fits a session that gets a machine at its first call (~1,600 s).
+# Session 18 (2026-12-03), STEPS=curve_online (CURVE=1): ready after ~210 s (the first call got a machine: 88 s), convert
+# 25 s, the base 266 s; the f1 fork's stage 05 had begun when a gap of >30 s between two polls (on this side) gave the
+# machine back, 880 s in: lost. Then STEPS=generate ENGINES="1 4" on a second machine: ready ~200 s, the bench 404 s
+# (benchmarks/results/generate_engines_h200_session18.json). The 4x point needs a whole session (~1,650 s) of its own.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
@@ -112,11 +116,12 @@ run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
 
 # the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults, session 3) as 1, 2
 # and 4 engines side by side on one GPU: does a small target's generation scale with engines (CPU-bound steps)?
+# 420 s a variant: four engines started one after another did not finish in 240 s (session 18; one cold start 105 s)
 GEN_RECIPE='{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}'
 # shellcheck disable=SC2086 - ENGINES is a list of engine counts
-bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 600 python3 benchmarks/generate.py --config "$CONFIG" \
+bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 1300 python3 benchmarks/generate.py --config "$CONFIG" \
   --prompts 8192 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines ${ENGINES:-1 2 4} \
-  --timeout 240 --out "$RES/generate_engines_h200.json" > "$RES/bench_generate.log" 2>&1; }
+  --timeout 420 --out "$RES/generate_engines_h200.json" > "$RES/bench_generate.log" 2>&1; }
 # random weights (a 16 GB checkpoint written once, loaded by each mode): the capture probe runs and is timed
 # (VLLM_MODES: which modes, default all three; prefill and one capture mode fit a session's last ~6 minutes)
 bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/extract.py --backend vllm-all \
