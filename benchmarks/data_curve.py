@@ -35,6 +35,8 @@ def point(run_dir: Path) -> dict:
     """One fork's figures from its draft/result.json (and its config's train_fraction)."""
     import yaml
 
+    from eagle3lib.evaluate.report import stage_seconds
+
     res = json.loads((run_dir / "draft" / "result.json").read_text())
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     epochs = res.get("epochs_done") or 1
@@ -58,12 +60,6 @@ def held_out(run_dir: Path) -> dict:
         out["tau_by_benchmark"] = {b: {m: a["tau"] for m, a in r["by_method"].items()}
                                    for b, r in res["tau_by_benchmark"].items()}
     return out
-
-
-def stage_seconds(run_dir: Path) -> dict:
-    from eagle3lib.evaluate.report import read_manifests
-
-    return {m["stage"]: m.get("seconds") for m in read_manifests(run_dir).values()}
 
 
 def reference_point(spec: str) -> dict:

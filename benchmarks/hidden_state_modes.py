@@ -24,8 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from eagle3lib.evaluate.report import stage_seconds  # noqa: E402 - after the repository is on sys.path
 
 GOAL_RATIO = 0.9
 GOAL_STATE_BYTES = 2e9
@@ -33,10 +39,6 @@ GOAL_STATE_BYTES = 2e9
 
 def _json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _stage_seconds(run: Path) -> dict[str, float]:
-    return {p.stem: _json(p).get("seconds") for p in sorted((run / "manifests").glob("*.json"))}
 
 
 def arm(run: Path) -> dict[str, Any]:
@@ -47,7 +49,7 @@ def arm(run: Path) -> dict[str, Any]:
                                    "val_eal", "val_eal_untrained", "phase_seconds", "online_target", "spool")
            if k in res}
     out["state_disk_bytes"] = m02.get("bytes")  # online / spool: the sample rows' shards only
-    out["stage_seconds"] = _stage_seconds(run)
+    out["stage_seconds"] = stage_seconds(run)
     return out
 
 
@@ -60,7 +62,7 @@ def summarize(base: Path) -> dict[str, Any]:
         "run": base.name,
         "offline": {"extract_tokens": ext.get("computed_tokens"), "extract_seconds": ext.get("capture_seconds"),
                     "extract_tokens_per_s": ext.get("tokens_per_s"), "state_disk_bytes": m02.get("bytes"),
-                    "base_stage_seconds": _stage_seconds(base)},
+                    "base_stage_seconds": stage_seconds(base)},
         "arms": arms,
     }
     train = arms.get("offline", {}).get("tokens_per_s")

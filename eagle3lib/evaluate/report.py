@@ -55,6 +55,12 @@ def read_manifests(rd: RunDir | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def stage_seconds(rd: RunDir | Path) -> dict[str, float | None]:
+    """Each present manifest's stage seconds, by stage key ("02_extract_hidden_states"): the benchmarks' stage times
+    (benchmarks/data_curve.py, benchmarks/hidden_state_modes.py)."""
+    return {m["stage"]: m.get("seconds") for m in read_manifests(rd).values()}
+
+
 def _fmt(v: Any, digits: int = 3) -> str:
     if v is None:
         return "—"
