@@ -59,7 +59,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     one VllmGenerator, or the engine pool for N > 1): the engines' start, then each temperature over every prompt in
     one call (the pool deals them out, one share per engine)."""
     from eagle3lib.config import load_config
-    from eagle3lib.extract.generators import make_generator
+    from eagle3lib.extract.prepare import make_generator
     from eagle3lib.target import load_tokenizer, resolve_model_path
 
     variant, n = json.loads(args.one), args.one_engines

@@ -9,10 +9,10 @@ Each child holds one `VllmGenerator` built from the run's config except for two 
 `extract.gpu_memory_utilization` and `run.seed + i` for engine i. Its engine runs as any stage 02 engine does
 (vllm_engine.prepare_environment: in-process on the CPU; on a GPU its engine core in a process of its own, as in the
 x1.41 measurement: in-process, scheduling and output handling would share one GIL). `EnginePoolGenerator`, what
-`make_generator` returns for N > 1, starts the N engines on the first `generate` call (a fully cached rerun starts
-none), deals text j to engine j % N (generate_cached sorts a chunk by length, so the shares are alike), sends every
-share, then gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N,
-since each engine samples from its own seed.
+stage 02's `make_generator` (eagle3lib.extract.prepare) returns for N > 1, starts the N engines on the first
+`generate` call (a fully cached rerun starts none), deals text j to engine j % N (generate_cached sorts a chunk by
+length, so the shares are alike), sends every share, then gathers the replies in input order. Greedy replies are the
+single engine's; sampled ones depend on N, since each engine samples from its own seed.
 
 The engines start one after another, each once the one before is ready; only their imports overlap (all N processes
 begin at once, import vLLM, ~13 s of CPU each, and wait for their turn). Started at once, they raced: vLLM sizes its

@@ -190,18 +190,6 @@ class VllmGenerator:
         gc.collect()
 
 
-def make_generator(cfg: WorkbookConfig, model_dir: Path, tok: Any) -> Generator:
-    """The generator `data.generator` names (`data.gen_engines` > 1: that many vLLM engines, each in a process of its
-    own, eagle3lib.extract.engine_pool); nothing is loaded until the first `generate` call."""
-    if cfg.data.generator == "vllm" and cfg.data.gen_engines > 1:
-        from eagle3lib.extract.engine_pool import EnginePoolGenerator
-
-        return EnginePoolGenerator(cfg, model_dir, tok)
-    if cfg.data.generator == "vllm":
-        return VllmGenerator(cfg, model_dir, tok)
-    return TransformersGenerator(cfg, model_dir, tok)
-
-
 # ------------------------------------------------------------------------------------------------------ the cache
 def cache_key(payload: Any, settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps([payload, settings], sort_keys=True).encode()).hexdigest()[:24]

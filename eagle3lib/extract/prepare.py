@@ -29,17 +29,30 @@ from eagle3lib import atomic, jsonl
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.dedup import EvalIndex
+from eagle3lib.extract.engine_pool import EnginePoolGenerator
 from eagle3lib.extract.generators import (
     Generator,
+    TransformersGenerator,
+    VllmGenerator,
     cache_key,
     finish_stats,
     generate_cached,
-    make_generator,
     new_stats,
     read_cache,
 )
 from eagle3lib.extract.sources import first_prompt, prompt_key, read_benchmark, read_sources
 from eagle3lib.target import load_tokenizer
+
+
+def make_generator(cfg: WorkbookConfig, model_dir: Path, tok: Any) -> Generator:
+    """The generator `data.generator` names (`data.gen_engines` > 1: that many vLLM engines, each in a process of its
+    own, eagle3lib.extract.engine_pool); nothing is loaded until the first `generate` call. (Here, not in
+    generators.py: the pool builds on generators.py's VllmGenerator, so the choice between them sits above both.)"""
+    if cfg.data.generator == "vllm" and cfg.data.gen_engines > 1:
+        return EnginePoolGenerator(cfg, model_dir, tok)
+    if cfg.data.generator == "vllm":
+        return VllmGenerator(cfg, model_dir, tok)
+    return TransformersGenerator(cfg, model_dir, tok)
 
 
 # ----------------------------------------------------------------------------------------------------- eval split

@@ -199,7 +199,7 @@ SI = ["data.sources=[{kind: self_instruct, limit: 4, max_new_tokens: 48}]", "dat
 
 def run_self_instruct(cfg, tok, smollm2_dir, cache: Path, eval_texts=(), train_texts=()):
     from eagle3lib.extract import synth
-    from eagle3lib.extract.generators import make_generator
+    from eagle3lib.extract.prepare import make_generator
 
     gen = make_generator(cfg, smollm2_dir, tok)
     try:

@@ -72,7 +72,8 @@ def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, 
     import psutil
 
     from eagle3lib.extract.engine_pool import EnginePoolGenerator
-    from eagle3lib.extract.generators import VllmGenerator, make_generator
+    from eagle3lib.extract.generators import VllmGenerator
+    from eagle3lib.extract.prepare import make_generator
     from eagle3lib.rundir import cache_root
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -113,7 +114,7 @@ def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, 
 def test_an_engine_that_dies_is_one_error_and_nothing_is_left(tmp_path, smol_tok, smollm2_dir, monkeypatch):
     """An engine killed while the pool runs: the next chunk fails at once with one error naming it and quoting its
     log; the other engine, busy with its share, is stopped by SIGTERM (it leaves through closing its engine)."""
-    from eagle3lib.extract.generators import make_generator
+    from eagle3lib.extract.prepare import make_generator
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     gen = make_generator(pool_config(tmp_path), smollm2_dir, smol_tok)
@@ -139,7 +140,7 @@ def test_an_engine_that_fails_to_start_is_one_error_with_its_log(tmp_path, smol_
     """A bad vllm.LLM argument: the engines' own error and the tail of a log, and no child left running."""
     import psutil
 
-    from eagle3lib.extract.generators import make_generator
+    from eagle3lib.extract.prepare import make_generator
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = pool_config(tmp_path, "data.gen_vllm_args={no_such_engine_arg: 1}")
