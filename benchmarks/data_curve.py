@@ -73,13 +73,25 @@ def reference_point(spec: str) -> dict:
             "train_seconds": arm.get("train_seconds"), "stage_seconds": arm.get("stage_seconds")}
 
 
+def heldout_taus(p: dict) -> dict[str, float]:
+    """A point's held-out tau by method, and by "benchmark/method" (empty where stage 06 did not run)."""
+    taus = dict(p.get("tau_heldout") or {})
+    for bench, by_method in (p.get("tau_by_benchmark") or {}).items():
+        taus.update({f"{bench}/{m}": t for m, t in by_method.items()})
+    return taus
+
+
 def per_doubling(points: list[dict]) -> list[dict]:
-    """Validation EAL gained per doubling of the training tokens, between neighbouring points."""
+    """Validation EAL (and held-out tau, where both points measured it) gained per doubling of the training
+    tokens, between neighbouring points."""
     out = []
     for a, b in zip(points, points[1:], strict=False):
         doublings = math.log2(b["tokens_per_epoch"] / a["tokens_per_epoch"])
+        ta, tb = heldout_taus(a), heldout_taus(b)
+        tau_gain = {key: round((tb[key] - ta[key]) / doublings, 4) for key in ta if key in tb}
         out.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3),
                     "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4),
+                    **({"tau_gain_per_doubling": tau_gain} if tau_gain else {}),
                     **({"across_validation_sets": True} if "reference" in a or "reference" in b else {})})
     return out
 
@@ -87,7 +99,7 @@ def per_doubling(points: list[dict]) -> list[dict]:
 def plot(points: list[dict], path: Path, title: str) -> None:
     from eagle3lib.plots import figure, save_show
 
-    fig, axes = figure(1, 2, figsize=(11, 4))
+    fig, axes = figure(1, 2, figsize=(11, 5))
     xs = [p["tokens_per_epoch"] / 1e6 for p in points]
     axes[0].plot(xs, [p["val_eal"] for p in points], "o-", color="C3", label="validation EAL")
     own = [(x, p) for x, p in zip(xs, points, strict=True) if "train_eal" in p]  # a reference point has no more
@@ -96,7 +108,11 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     for p, x in zip(points, xs, strict=True):
         axes[0].annotate(f"{p['val_eal']:.2f}", (x, p["val_eal"]), textcoords="offset points", xytext=(0, 6),
                          ha="center", fontsize=8)
-    axes[0].set_title("expected acceptance length vs training data", fontsize=10)
+    taus = [(x, heldout_taus(p)) for x, p in zip(xs, points, strict=True) if heldout_taus(p)]
+    for i, key in enumerate(sorted({k for _, t in taus for k in t})):
+        axes[0].plot([x for x, t in taus if key in t], [t[key] for _, t in taus if key in t], "^:", alpha=0.8,
+                     color=f"C{4 + i}", label=f"held-out tau ({key})")
+    axes[0].set_title("acceptance length vs training data", fontsize=10)
     for s in range(len(own[0][1]["val_full_acc"])):
         axes[1].plot([x for x, _ in own], [p["val_full_acc"][s] for _, p in own], "o-", color=f"C{s}",
                      label=f"position {s + 1}")
@@ -105,7 +121,7 @@ def plot(points: list[dict], path: Path, title: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("training tokens per epoch (millions, log2)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: no point hidden
     fig.suptitle(title, fontsize=10)
     save_show(fig, path)
 

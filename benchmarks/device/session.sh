@@ -42,7 +42,7 @@
 #               curve_online unpacks (they hit on the device's image only: docs/engines.md#several-generation-engines)
 #   curve_online  GPU 0: the data curve from gen_data's committed caches (benchmarks/device/caches/$RUN-x$GEN_SCALE.tar.xz):
 #               stages 00-02, 04 of $RUN-x$GEN_SCALE online with no generation, then stages 05 (1 epoch, online) and
-#               06 (embedded) on forks at each train.train_fraction of CURVE (default "1": 0.5 ran in session 17),
+#               06 (embedded) on forks at each train.train_fraction of CURVE (default "1": 0.5 ran in session 17, 1 in 19),
 #               side by side on GPU 0 when there are several
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
@@ -81,6 +81,9 @@
 # 25 s, the base 266 s; the f1 fork's stage 05 had begun when a gap of >30 s between two polls (on this side) gave the
 # machine back, 880 s in: lost. Then STEPS=generate ENGINES="1 4" on a second machine: ready ~200 s, the bench 404 s
 # (benchmarks/results/generate_engines_h200_session18.json). The 4x point needs a whole session (~1,650 s) of its own.
+# Session 19 (2026-12-04), STEPS=curve_online (CURVE=1), the first call got a machine (90 s): ready after ~205 s (7
+# copies at ~5 s, install 72 s), convert 27 s, the base 213 s, the f1 fork 1,056 s (05 707: untrained validation 97,
+# the epoch 593; 06 323): done after 1,497 device-s with 3 polls of WAIT=540 run back to back.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
