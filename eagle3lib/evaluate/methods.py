@@ -258,11 +258,15 @@ def count_identical(outputs: list[list[int]], others: list[list[int]]) -> int:
     return sum(int(a == b) for a, b in zip(outputs, others, strict=True))
 
 
-def vllm_job(inp: EvalInputs, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> dict[str, Any]:
-    """What every vLLM run of the evaluation shares: target, prompts, length, dtype."""
+def vllm_job(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> dict[str, Any]:
+    """What every vLLM run of the evaluation shares: target, prompts, length, dtype, and the engine settings the
+    target's family needs (`engine_args`, only when there are any: adapters.target_engine_kwargs)."""
+    from eagle3lib.extract.backends.adapters import target_engine_kwargs
+
     longest = max(len(p) for p in prompts) + max_new_tokens + 8
-    return {"target": str(inp.model_dir), "prompt_token_ids": prompts, "max_new_tokens": max_new_tokens,
-            "dtype": dtype, "max_model_len": max(256, longest)}
+    extra = target_engine_kwargs(model_dir, dtype)
+    return {"target": str(model_dir), "prompt_token_ids": prompts, "max_new_tokens": max_new_tokens,
+            "dtype": dtype, "max_model_len": max(256, longest), **({"engine_args": extra} if extra else {})}
 
 
 def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
@@ -271,7 +275,7 @@ def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens:
     shows what the trained draft adds over copying from the context."""
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
-    r = run_in_subprocess({**vllm_job(inp, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}, workdir,
+    r = run_in_subprocess({**vllm_job(inp.model_dir, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}, workdir,
                           f"ngram_k{k}", inp.cache_dir)
     return {"acceptance": with_tokens_per_step(Acceptance.from_dict(r["acceptance"]).to_dict(), r["outputs"]),
             "tokens_per_s": r["tokens_per_s"],
@@ -283,7 +287,7 @@ def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: 
     """vLLM with and without the draft on the same prompts (child processes); counters, speed, identical outputs."""
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
-    base_job = vllm_job(inp, prompts, max_new_tokens, dtype)
+    base_job = vllm_job(inp.model_dir, prompts, max_new_tokens, dtype)
     base = run_in_subprocess({**base_job, "draft": None, "k": 0}, workdir, "baseline", inp.cache_dir)
     runs: dict[int, dict[str, Any]] = {}
     for kk in sorted(set([k] + list(sweep or []))):

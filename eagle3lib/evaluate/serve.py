@@ -75,12 +75,17 @@ def speculative_config(variant: str, draft: Path, k: int) -> dict[str, Any] | No
 
 def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: int, dtype: str, max_model_len: int,
                seed: int, cpu: bool, extra: list[str]) -> list[str]:
-    """What follows `vllm serve`: the target, then the settings every server shares, then its speculation."""
+    """What follows `vllm serve`: the target, then the settings every server shares (the target family's engine
+    settings among them: adapters.target_engine_kwargs), then its speculation, then evaluate.serve_args."""
+    from eagle3lib.extract.backends.adapters import target_engine_kwargs
+    from eagle3lib.extract.backends.vllm_engine import engine_flags
+
     args = [str(target), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
     if Path(tokenizer) != Path(target):
         args += ["--tokenizer", str(tokenizer)]
     if cpu:  # torch.compile on the CPU adds 70-80 s to a start (docs/engines.md#vllm-on-the-cpu); a GPU keeps graphs
         args.append("--enforce-eager")
+    args += engine_flags(target_engine_kwargs(target, dtype))
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
     return [*args, *extra]
@@ -234,7 +239,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     workdir.mkdir(parents=True, exist_ok=True)
     prompts_file = workdir / "prompts.jsonl"
     exact = write_prompts(tok, prompts, prompts_file)
-    max_len = max([vllm_job(inp, prompts, max_tokens, dname)["max_model_len"],
+    max_len = max([vllm_job(inp.model_dir, prompts, max_tokens, dname)["max_model_len"],
                    *(longest_conversation(tok, items, max_tokens) for items in bench_items.values())])
     common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
                   max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args))

@@ -65,6 +65,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
     if job.get("gpu_memory_utilization") is not None:
         kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
+    kwargs.update(job.get("engine_args") or {})  # the target family's (adapters.target_engine_kwargs)
     method = job.get("method") or ("eagle3" if job.get("draft") else None)
     if method == "eagle3":
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["draft"],

@@ -679,6 +679,46 @@ def test_probe_passes_deepseek_v3_and_stops_the_unpatched_cpu_rotary_op(deepseek
     assert worst < 0.9, msg
 
 
+@needs_vllm
+def test_stage_06s_vllm_runs_get_the_mla_settings_and_match_transformers(deepseek_v3, smollm2_dir, tmp_path):
+    """Stage 06's vLLM children and servers apply no compat patch (no worker extension there): without the family's
+    engine settings (adapters.target_engine_kwargs) an MLA target's greedy outputs on the CPU were silently wrong
+    (measured on this tiny DeepseekV3: the first prompt diverged at token 4, the second at token 1). The child's
+    outputs equal transformers' greedy ones; the servers' flags are what vLLM's own `vllm serve` parser reads back as
+    the same settings (no server starts: the flags are the point)."""
+    from transformers import AutoModelForCausalLM
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from eagle3lib.evaluate.methods import vllm_job
+    from eagle3lib.evaluate.serve import serve_args
+    from eagle3lib.evaluate.vllm_child import run_in_subprocess
+
+    model_dir = deepseek_v3["model_dir"]
+    prompts = [ids[:n] for (_, ids), n in zip(deepseek_v3["rows"], (17, 9, 40), strict=True)]
+    job = vllm_job(model_dir, prompts, 12, "float32")
+    assert job["engine_args"]["compilation_config"] == {"custom_ops": ["all", "-rotary_embedding"]}
+    got = run_in_subprocess({**job, "tokenizer": str(smollm2_dir)}, tmp_path / "vllm", "baseline",
+                            tmp_path / "cache", timeout_s=600)["outputs"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, got, strict=True):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert out == ref, (prompt, out, ref)
+
+    args = serve_args(model_dir, smollm2_dir, None, 3, "float32", 256, 0, True, [])
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    ns = parser.parse_args(["serve", *args])
+    ns.model = ns.model_tag
+    engine = AsyncEngineArgs.from_cli_args(ns)
+    for key, value in job["engine_args"].items():  # a dict setting: the keys it gave (vLLM fills in the rest)
+        got = getattr(engine, key)
+        read = {k: got[k] if isinstance(got, dict) else getattr(got, k) for k in value} if isinstance(value, dict) \
+            else got
+        assert read == value, (key, read, value)
+
+
 def test_native_refuses_layer_id_0_on_deepseek_before_an_engine_starts(tmp_path):
     from eagle3lib.extract.backends.adapters import select_adapter
 

