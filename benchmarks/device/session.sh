@@ -44,6 +44,8 @@
 #               stages 00-02, 04 of $RUN-x$GEN_SCALE online with no generation, then stages 05 (1 epoch, online) and
 #               06 (embedded) on forks at each train.train_fraction of CURVE (default "1": 0.5 ran in session 17, 1 in 19),
 #               side by side on GPU 0 when there are several
+#   fp8_ab      GPU 0: the FP8 vs bf16 shards A/B on the recipe's data (issue 21): $RUN-fp8ab, stages 00-06 with bf16
+#               shards and one epoch, then benchmarks/fp8_ab.py's FP8 fork of it (02-06): $RES/fp8_ab_$RUN.json (~1,570 s)
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
@@ -286,6 +288,30 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
           -p train.epochs=1 -p "evaluate.methods=[embedded]" &
       done
       wait
+      ;;
+    fp8_ab)
+      # issue 21's FP8 vs bf16 A/B on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A
+      # ($RUN-fp8ab) = stages 00-06 with bf16 shards; arm B = benchmarks/fp8_ab.py's fork of it (stage 02 again from
+      # the cached replies with extract.fp8_shards=true, then 03-06) -> $RES/fp8_ab_<run>.json. The replies: the
+      # committed 4x caches unpacked into arm A's data/ first; on the CPU with a counting generator (2026-12-04) every
+      # self-instruct request hit and 13,059 of the 21,984 distilled replies (the rest have another temperature:
+      # data.gen_temperatures is dealt by position in the shuffled pool), ~40% of the recipe's ~394 s of generation
+      # left. Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an arm).
+      # Estimate: ready ~205 s, convert 27, arm A ~760 (02 ~270, 03 ~60, 05 ~280, 06 ~105), arm B ~575: ~1,570 s,
+      # so only a session whose first call gets a machine
+      arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")
+      if [ ! -d "outputs/$arun/data" ]; then
+        mkdir -p "outputs/$arun/data" /tmp/x4 && xz -dc "benchmarks/device/caches/$RUN-x4.tar.xz" | tar x -C /tmp/x4 \
+          && mv /tmp/x4/outputs/"$RUN"-x4/data/*_cache.jsonl "outputs/$arun/data/"
+      fi
+      step "FP8 A/B, arm A: $arun, stages 00-06 with bf16 shards, one epoch"
+      run_on 0 fp8ab_a --run "$arun" "${abargs[@]}"
+      step "FP8 A/B, arm B: the same rows in FP8 shards (benchmarks/fp8_ab.py)"
+      t=$(date +%s)
+      timeout 1500 python3 benchmarks/fp8_ab.py --config "$CONFIG" --run "$arun" "${abargs[@]}" \
+        --out "$RES/fp8_ab_$RUN.json" --note "benchmarks/device/session.sh STEPS=fp8_ab with $CONFIG on $(nvidia-smi -L | head -n 1)" \
+        > "$RES/fp8ab_b.log" 2>&1
+      echo "fp8ab_b exit $? after $(( $(date +%s) - t )) s" >> "$RES/fp8ab_b.log"
       ;;
     vllm_extract)
       step "vLLM prefill vs native and worker capture, random 8B checkpoint"
