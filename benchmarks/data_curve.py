@@ -108,7 +108,7 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     for p, x in zip(points, xs, strict=True):
         axes[0].annotate(f"{p['val_eal']:.2f}", (x, p["val_eal"]), textcoords="offset points", xytext=(0, 6),
                          ha="center", fontsize=8)
-    taus = [(x, heldout_taus(p)) for x, p in zip(xs, points, strict=True) if heldout_taus(p)]
+    taus = [(x, t) for x, t in zip(xs, map(heldout_taus, points), strict=True) if t]
     for i, key in enumerate(sorted({k for _, t in taus for k in t})):
         axes[0].plot([x for x, t in taus if key in t], [t[key] for _, t in taus if key in t], "^:", alpha=0.8,
                      color=f"C{4 + i}", label=f"held-out tau ({key})")

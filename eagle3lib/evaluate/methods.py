@@ -275,8 +275,8 @@ def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens:
     shows what the trained draft adds over copying from the context."""
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
-    r = run_in_subprocess({**vllm_job(inp.model_dir, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}, workdir,
-                          f"ngram_k{k}", inp.cache_dir)
+    job = {**vllm_job(inp.model_dir, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}
+    r = run_in_subprocess(job, workdir, f"ngram_k{k}", inp.cache_dir)
     return {"acceptance": with_tokens_per_step(Acceptance.from_dict(r["acceptance"]).to_dict(), r["outputs"]),
             "tokens_per_s": r["tokens_per_s"],
             "engine_start_s": r["engine_start_s"], "outputs": r["outputs"]}
