@@ -42,6 +42,22 @@ def arm_summary(run_dir: Path) -> dict:
                         for p in sorted(run_dir.glob(f"manifests/{s}_*.json"))}}
 
 
+def embedded_pairing(a: Path, b: Path) -> dict:
+    """The embedded τ of both arms compared category by category (stage 06's `embedded_by_category`: the same
+    held-out prompts), the mean difference's standard error across categories, and the outputs both arms share."""
+    ra, rb = (json.loads((r / "eval" / "results.json").read_text()) for r in (a, b))
+    ca, cb = ra.get("embedded_by_category") or {}, rb.get("embedded_by_category") or {}
+    delta = {c: round(cb[c]["tau"] - ca[c]["tau"], 4) for c in ca if c in cb}
+    if len(delta) < 2:
+        return {}
+    d = list(delta.values())
+    mean = sum(d) / len(d)
+    se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+    outs = list(zip(ra.get("embedded_outputs") or [], rb.get("embedded_outputs") or [], strict=False))
+    return {"tau_delta_by_category": delta, "tau_delta_mean": round(mean, 4), "tau_delta_se": round(se, 4),
+            "same_outputs": f"{sum(x == y for x, y in outs)}/{len(outs)}"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -72,11 +88,12 @@ def main() -> int:
            "val_eal_delta": round(vb - va, 4) if va is not None and vb is not None else None,
            "tau_delta": {m: round(arms["fp8"]["tau"][m] - t, 4) for m, t in (arms["bf16"]["tau"] or {}).items()
                          if (arms["fp8"]["tau"] or {}).get(m) is not None},
+           "embedded_paired": embedded_pairing(a, b),
            "arm_b_seconds": round(time.time() - t0, 1), "host": platform.node(),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({k: out[k] for k in ("bytes_ratio", "val_eal_delta", "tau_delta")}, indent=1))
+    print(json.dumps({k: out[k] for k in ("bytes_ratio", "val_eal_delta", "tau_delta", "embedded_paired")}, indent=1))
     return 0
 
 

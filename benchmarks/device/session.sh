@@ -45,7 +45,8 @@
 #               06 (embedded) on forks at each train.train_fraction of CURVE (default "1": 0.5 ran in session 17, 1 in 19),
 #               side by side on GPU 0 when there are several
 #   fp8_ab      GPU 0: the FP8 vs bf16 shards A/B on the recipe's data (issue 21): $RUN-fp8ab, stages 00-06 with bf16
-#               shards and one epoch, then benchmarks/fp8_ab.py's FP8 fork of it (02-06): $RES/fp8_ab_$RUN.json (~1,570 s)
+#               shards and one epoch, then benchmarks/fp8_ab.py's FP8 fork of it (02-06): $RES/fp8_ab_$RUN.json (1,333 s
+#               with the copies, session 20)
 #   vllm_extract  GPU 0: vLLM prefill alone vs the workbook's native and worker capture on a random Llama-3.1-8B-shaped
 #               checkpoint (256 x 2048 tokens), the capture probe's seconds included (issue 24)
 #   scaling     both GPUs: draft training 1 vs 2 GPUs (torchrun) on the recipe run (else the small run, made first
@@ -86,6 +87,9 @@
 # Session 19 (2026-12-04), STEPS=curve_online (CURVE=1), the first call got a machine (90 s): ready after ~205 s (7
 # copies at ~5 s, install 72 s), convert 27 s, the base 213 s, the f1 fork 1,056 s (05 707: untrained validation 97,
 # the epoch 593; 06 323): done after 1,497 device-s with 3 polls of WAIT=540 run back to back.
+# Session 20 (2026-12-04), STEPS=fp8_ab, the first call got a machine (62 s): ready after ~176 s (7 copies at ~8 s,
+# install 59 s), target 21 s, arm A 713 s (02 257: engine start 56 + 153 s of the missing distilled replies; 05 190,
+# 06 119), arm B 433 s (02 100, 05 128, 06 118): done after 1,333 device-s with 2 polls of WAIT=540 and one short one.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
