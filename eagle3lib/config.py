@@ -128,8 +128,9 @@ class DataSection(Section):
     gen_batch_size: int = Field(16, description="Self-distillation: prompts per generate call (transformers: one "
                                 "padded batch; vllm: at least 256 per LLM.generate call; the cache is written after each).")
     gen_temperatures: list[float] | None = Field(
-        None, description="Self-distillation at several temperatures: conversation i is answered at "
-        "gen_temperatures[i % len] (None = gen_temperature for all)."
+        None, description="Self-distillation at several temperatures: each conversation is answered at one of them, "
+        "dealt by a hash of its first user turn, so a bigger source keeps the replies already cached "
+        "(None = gen_temperature for all)."
     )
     generator: Literal["transformers", "vllm"] = Field(
         "transformers", description="Who generates replies and self_instruct prompts: batched transformers generate "

@@ -39,9 +39,11 @@
 #               vLLM engines side by side (data.gen_engines; once more with one engine if that run failed: the cache
 #               keeps what it wrote). The replies caches (data/*_cache.jsonl) come back as caches.txz.* (xz, split
 #               15 MiB); session 14's x4 caches are committed as benchmarks/device/caches/smollm2-h200-x4.tar.xz, which
-#               curve_online unpacks (they hit on the device's image only: docs/engines.md#several-generation-engines)
+#               curve_online unpacks (since 2026-12-04 only their self-instruct draws hit: the distilled replies' key
+#               changed, docs/engines.md#several-generation-engines)
 #   curve_online  GPU 0: the data curve from gen_data's committed caches (benchmarks/device/caches/$RUN-x$GEN_SCALE.tar.xz):
-#               stages 00-02, 04 of $RUN-x$GEN_SCALE online with no generation, then stages 05 (1 epoch, online) and
+#               stages 00-02, 04 of $RUN-x$GEN_SCALE online (the prompts cached; the distilled replies generated again
+#               since their key changed), then stages 05 (1 epoch, online) and
 #               06 (embedded) on forks at each train.train_fraction of CURVE (default "1": 0.5 ran in session 17, 1 in 19),
 #               side by side on GPU 0 when there are several
 #   fp8_ab      GPU 0: the FP8 vs bf16 shards A/B on the recipe's data (issue 21): $RUN-fp8ab, stages 00-06 with bf16
@@ -272,8 +274,9 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       fi
       ;;
     curve_online)
-      # issue 21's data curve without generating: the GEN_SCALE run's replies caches (gen_data, committed under
-      # benchmarks/device/caches) unpacked, its stages 00-02 online (every reply cached: no engine starts) and 04,
+      # issue 21's data curve: the GEN_SCALE run's replies caches (gen_data, committed under benchmarks/device/caches)
+      # unpacked, its stages 00-02 online (sessions 17 and 19: every reply cached, no engine started; since the
+      # distilled replies' key changed on 2026-12-04 only the self-instruct prompts hit) and 04,
       # then stage 05 (one epoch, online) and 06 (embedded: held-out tau) on forks at train.train_fraction = each of
       # CURVE (default "1": 4x the recipe's data; 0.5, a random half of the 4x rows = 2x, ran in session 17; one
       # validation split for all). gen_data's very settings (data.gen_engines included: the data section's hash is
@@ -297,10 +300,9 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # issue 21's FP8 vs bf16 A/B on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A
       # ($RUN-fp8ab) = stages 00-06 with bf16 shards; arm B = benchmarks/fp8_ab.py's fork of it (stage 02 again from
       # the cached replies with extract.fp8_shards=true, then 03-06) -> $RES/fp8_ab_<run>.json. The replies: the
-      # committed 4x caches unpacked into arm A's data/ first; on the CPU with a counting generator (2026-12-04) every
-      # self-instruct request hit and 13,059 of the 21,984 distilled replies (the rest have another temperature:
-      # data.gen_temperatures is dealt by position in the shuffled pool), ~40% of the recipe's ~394 s of generation
-      # left. Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an arm).
+      # committed 4x caches unpacked into arm A's data/ first: every self-instruct request hits (session 20 also found
+      # 13,059 of the 21,984 distilled replies there; since their key changed the same day, none), so stage 02 then
+      # distills all 21,984 replies (session 20: 8,925 in 153 s). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an arm).
       # Estimate: ready ~205 s, convert 27, arm A ~760 (02 ~270, 03 ~60, 05 ~280, 06 ~105), arm B ~575: ~1,570 s,
       # so only a session whose first call gets a machine
       arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")

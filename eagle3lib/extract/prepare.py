@@ -157,16 +157,28 @@ def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) 
 
 
 # --------------------------------------------------------------------------------------------- self-distillation
+def reply_temperature(skeleton: list[dict[str, str]], temps: list[float]) -> float:
+    """The temperature a conversation's replies are sampled at: one of `temps`, dealt by a hash of its turns up to its
+    first user turn. It belongs to the conversation, not to its place in the pool, so growing a source, adding one in
+    front or reshuffling keeps every existing conversation's temperature and with it its cached replies (dealt by
+    position, 44% of the 1x recipe's replies missed the cache of its 4x data: docs/engines.md#several-generation-engines)."""
+    if len(temps) == 1:
+        return temps[0]
+    head = next((skeleton[:i + 1] for i, m in enumerate(skeleton) if m["role"] == "user"), skeleton)
+    return temps[int(cache_key(head, {"dealt": "gen_temperatures"}), 16) % len(temps)]
+
+
 def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dict[str, str]]], cache_path: Path,
                  progress: bool = True, generator: Generator | None = None, variants: list[int] | None = None,
                  ) -> tuple[list[list[dict[str, str]]], dict[str, Any]]:
     """Regenerate every assistant turn with the target, turn by turn (a reply sees the replies generated before it).
 
     The generator (`data.generator`: transformers | vllm, eagle3lib.extract.generators) only continues rendered texts; the
-    turn logic, the cache and the stats live here and in `generate_cached`, shared by both. Conversation i is
-    answered at `gen_temperatures[i % len]` (or `gen_temperature`), part of its cache key. `variants[i]` > 0 marks an
-    extra reply to a prompt that is already in `convs` (`data.sources[].replies`): sampled at the highest
-    temperature, the variant in its cache key.
+    turn logic, the cache and the stats live here and in `generate_cached`, shared by both. A conversation is answered
+    at `reply_temperature` (one of `gen_temperatures`, or `gen_temperature`), part of its cache key. `variants[i]` > 0
+    marks an extra reply to a prompt that is already in `convs` (`data.sources[].replies`): sampled at the highest
+    temperature, the variant in its cache key. The key names the target as the config does (`target.model`, as the
+    self-instruct keys do), not the folder it was found in: a cache still hits on another machine's checkout.
     """
     import time
 
@@ -180,6 +192,7 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     done: list[list[dict[str, str]]] = [[] for _ in convs]
     gen = generator or make_generator(cfg, model_dir, tok)
     stats = new_stats()
+    conv_temps = [reply_temperature(sk, temps) for sk in skeletons]
     n_user_max = max(sum(m["role"] == "user" for m in s) for s in skeletons) if skeletons else 0
     pos = [0] * len(skeletons)  # next index into each skeleton
     bar = tqdm(total=sum(sum(m["role"] == "user" for m in s) for s in skeletons), desc="self-distill", unit="reply",
@@ -196,8 +209,8 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
                     done[ci].append(m)
                     if m["role"] == "user":
                         variant = variants[ci] if variants else 0
-                        temp = max(temps) if variant else temps[ci % len(temps)]
-                        settings = {"model": str(model_dir), "max_new_tokens": d.gen_max_new_tokens,
+                        temp = max(temps) if variant else conv_temps[ci]
+                        settings = {"model": cfg.target.model, "max_new_tokens": d.gen_max_new_tokens,
                                     "temperature": temp, "seed": cfg.run.seed, "dtype": cfg.target.dtype,
                                     **({"variant": variant} if variant else {})}
                         key = cache_key(done[ci], settings)

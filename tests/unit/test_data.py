@@ -185,6 +185,36 @@ def test_replies_adds_sampled_replies_to_the_same_prompts(tmp_path, smollm2_dir)
     assert again.stats["self_distill"]["cached"] == 12 and again.input_ids == p.input_ids
 
 
+def test_more_prompts_keep_every_cached_reply_and_a_moved_checkpoint_hits_too(tmp_path, smol_tok, smollm2_dir):
+    """A reply's temperature (part of its cache key) belongs to its conversation, not to its place in the pool, and
+    the key names the target as the config does, not its folder: a prompt added in front (every position shifts by
+    one) costs one reply, the same prompts through a symlinked checkpoint none. Dealt by position, the 4x recipe data
+    missed 44% of the 1x run's replies; keyed by folder, the committed caches hit only on the device's image."""
+    from eagle3lib.extract.prepare import make_generator, reply_temperature
+
+    temps = [0.0, 0.0, 0.7]
+    bundled = sources.read_jsonl(sources.bundled_prompts_path())
+    dealt = Counter(reply_temperature(r["messages"], temps) for r in bundled)
+    assert set(dealt) == {0.0, 0.7} and 0.2 < dealt[0.7] / len(bundled) < 0.47  # ~1/3 sampled, as the list says
+    cfg = load_config(None, ["data.gen_max_new_tokens=6", "data.gen_temperatures=[0.0, 0.7]", "data.gen_batch_size=16"])
+    convs = [[{"role": "user", "content": f"Name animal number {i}."}] for i in range(6)]
+    assert len({reply_temperature(c, [0.0, 0.7]) for c in convs}) == 2  # both temperatures among them
+    cache = tmp_path / "distill_cache.jsonl"
+    gen = make_generator(cfg, smollm2_dir, smol_tok)
+    try:
+        first, st = prepare.self_distill(cfg, smollm2_dir, smol_tok, convs, cache, progress=False, generator=gen)
+        assert (st["generated"], st["cached"]) == (6, 0)
+        grown = [[{"role": "user", "content": "Count to three."}], *convs]
+        out, st = prepare.self_distill(cfg, smollm2_dir, smol_tok, grown, cache, progress=False, generator=gen)
+        assert (st["generated"], st["cached"]) == (1, 6) and out[1:] == first
+        moved = tmp_path / "elsewhere"
+        moved.symlink_to(smollm2_dir, target_is_directory=True)
+        out, st = prepare.self_distill(cfg, moved, smol_tok, grown[::-1], cache, progress=False, generator=gen)
+        assert (st["generated"], st["cached"]) == (0, 7) and out[::-1][1:] == first
+    finally:
+        gen.close()
+
+
 def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
