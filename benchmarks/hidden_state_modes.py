@@ -15,6 +15,9 @@ Figures (per token, so the 5% validation rows stage 02 also extracts do not skew
   spool_ratio            = the same for the spool epoch;
   spool_vs_online        = the spool epoch's tok/s / the online epoch's (also without an offline arm: ARMS="online
                            spool" in session.sh).
+Each arm also gets `first_step_s` and `steady_tokens_per_s` (the steps after the first, from draft/curves.json): the
+first step holds one-off costs (flex attention's compile, the loader's start; 6-41 s on one H200), which dominate an
+epoch of small data (the small run's epoch: 38-93 s in all).
 
     python benchmarks/hidden_state_modes.py --runs outputs/smollm2-h200 \
         --out benchmarks/results/online_smollm2_h200.json
@@ -49,8 +52,20 @@ def arm(run: Path) -> dict[str, Any]:
                                    "val_eal", "val_eal_untrained", "phase_seconds", "online_target", "spool")
            if k in res}
     out["state_disk_bytes"] = m02.get("bytes")  # online / spool: the sample rows' shards only
+    out.update(step_speeds(run))
     out["stage_seconds"] = stage_seconds(run)
     return out
+
+
+def step_speeds(run: Path) -> dict[str, Any]:
+    """The first step's seconds and the tokens/s of the steps after it (each step's wall time, as curves.json has it:
+    tokens / tokens_per_s, the data fetch included)."""
+    steps = [s for s in _json(run / "draft" / "curves.json").get("steps", []) if s.get("tokens_per_s")]
+    if len(steps) < 2:
+        return {}
+    secs = [s["tokens"] / s["tokens_per_s"] for s in steps]
+    return {"first_step_s": round(secs[0], 2),
+            "steady_tokens_per_s": round(sum(s["tokens"] for s in steps[1:]) / sum(secs[1:]), 1)}
 
 
 def summarize(base: Path) -> dict[str, Any]:
@@ -76,6 +91,9 @@ def summarize(base: Path) -> dict[str, Any]:
                 result[key] = round(arms[name]["tokens_per_s"] / combined, 3)
     if "online" in arms and "spool" in arms:  # the producer against the target beside the trainer, per token
         result["spool_vs_online"] = round(arms["spool"]["tokens_per_s"] / arms["online"]["tokens_per_s"], 3)
+        if arms["spool"].get("steady_tokens_per_s") and arms["online"].get("steady_tokens_per_s"):
+            result["spool_vs_online_steady"] = round(arms["spool"]["steady_tokens_per_s"]
+                                                     / arms["online"]["steady_tokens_per_s"], 3)
     if "online_ratio" in result:
         disk = arms["online"].get("state_disk_bytes") or 0
         met = result["online_ratio"] >= GOAL_RATIO and disk <= GOAL_STATE_BYTES
@@ -108,7 +126,7 @@ def draw(base: Path, result: dict[str, Any], path: Path) -> None:
     bx.barh(list(bars), [v / 1e3 for v in bars.values()], color=["#999", "#999", "#555", "#2a7", "#27a"][:len(bars)])
     for i, v in enumerate(bars.values()):
         bx.text(v / 1e3, i, f" {v / 1e3:,.1f}k", va="center")
-    ratio = f"online_ratio {result['online_ratio']}" if "online_ratio" in result else ""
+    ratio = ", ".join(f"{k} {result[k]}" for k in ("online_ratio", "spool_ratio") if k in result)
     bx.set(xlabel="thousand tokens / s (per token: 'both' = 1 / (1/capture + 1/train))", title=ratio)
     bx.invert_yaxis()
     fig.tight_layout()
@@ -128,7 +146,8 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     if result["arms"]:
         draw(Path(args.runs), result, out.with_suffix(".png"))
-    print(json.dumps({k: result.get(k) for k in ("online_ratio", "spool_ratio", "spool_vs_online", "goal")}, indent=2))
+    print(json.dumps({k: result.get(k) for k in ("online_ratio", "spool_ratio", "spool_vs_online", "spool_vs_online_steady",
+                                                 "goal")}, indent=2))
     print(f"wrote {out}")
 
 

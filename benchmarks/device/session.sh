@@ -67,7 +67,7 @@
 # slower machine, 05 270, 06 456): 1,710 s of 1,800 with 3 polls.
 # Measured 2026-12-02 (session 11), STEPS="vllm_extract modes" with the SmolLM2 config: ready after 183 s (4 copies +
 # install 79 s), convert 33 s, vllm_extract 327 s, modes' base stages 597 s (02: 505), the offline arm 303 s, the online
-# arm 340 s; the spool arm (the last) was cut by the 1,800 s. Run `modes` alone to get the spool arm.
+# arm 340 s; the spool arm (the last) was cut by the 1,800 s (it ran in session 21, MODES_SMALL=1: below).
 # Measured 2026-12-02 (session 12), the SmolLM2 bundle (5 chunks of 56 MiB): ready after 137 s, convert 23-29 s,
 # vllm_extract 300-376 s, generate: 1 engine 129 s, 2 engines 80 s (the 4-engine round cut by the budget). A poll
 # that returned and was NOT followed by the next call within ~30 s (time spent reading its files) gave the machine
@@ -92,6 +92,10 @@
 # Session 20 (2026-12-04), STEPS=fp8_ab, the first call got a machine (62 s): ready after ~176 s (7 copies at ~8 s,
 # install 59 s), target 21 s, arm A 713 s (02 257: engine start 56 + 153 s of the missing distilled replies; 05 190,
 # 06 119), arm B 433 s (02 100, 05 128, 06 118): done after 1,333 device-s with 2 polls of WAIT=540 and one short one.
+# Session 21 (2026-12-04), STEPS=modes ARMS="spool offline online" MODES_SMALL=1: the first call got a machine (30 s);
+# ready after 141 s (7 copies at ~5 s, install 78 s), target 30 s, the small base (00-02, 04 offline) 296 s, the spool
+# arm 374 s (05 299: producer ready 71.7 s), offline 127 s, online 168 s: done after 1,130 device-s with 2 polls
+# (benchmarks/results/online_smollm2_small_h200.json: the first spool figures on a GPU).
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
