@@ -146,8 +146,8 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     if result["arms"]:
         draw(Path(args.runs), result, out.with_suffix(".png"))
-    print(json.dumps({k: result.get(k) for k in ("online_ratio", "spool_ratio", "spool_vs_online", "spool_vs_online_steady",
-                                                 "goal")}, indent=2))
+    keys = ("online_ratio", "spool_ratio", "spool_vs_online", "spool_vs_online_steady", "goal")
+    print(json.dumps({k: result.get(k) for k in keys}, indent=2))
     print(f"wrote {out}")
 
 

@@ -161,7 +161,8 @@ def reply_temperature(skeleton: list[dict[str, str]], temps: list[float]) -> flo
     """The temperature a conversation's replies are sampled at: one of `temps`, dealt by a hash of its turns up to its
     first user turn. It belongs to the conversation, not to its place in the pool, so growing a source, adding one in
     front or reshuffling keeps every existing conversation's temperature and with it its cached replies (dealt by
-    position, 41% of the 1x recipe's replies missed the cache of its 4x data: docs/engines.md#several-generation-engines)."""
+    position, 41% of the 1x recipe's replies missed the cache of its 4x data:
+    docs/engines.md#several-generation-engines)."""
     if len(temps) == 1:
         return temps[0]
     head = next((skeleton[:i + 1] for i, m in enumerate(skeleton) if m["role"] == "user"), skeleton)

@@ -189,7 +189,8 @@ def test_more_prompts_keep_every_cached_reply_and_a_moved_checkpoint_hits_too(tm
     """A reply's temperature (part of its cache key) belongs to its conversation, not to its place in the pool, and
     the key names the target as the config does, not its folder: a prompt added in front (every position shifts by
     one) costs one reply, the same prompts through a symlinked checkpoint none. Dealt by position, the 4x recipe data
-    missed 41% of the 1x run's replies (8,925 of 21,984); keyed by folder, the committed caches hit only on the device's image."""
+    missed 41% of the 1x run's replies (8,925 of 21,984); keyed by folder, the committed caches hit only on the
+    device's image."""
     from eagle3lib.extract.prepare import make_generator, reply_temperature
 
     temps = [0.0, 0.0, 0.7]
