@@ -190,12 +190,13 @@ def bench_bare(rd, cfg, sz: dict[str, Any], res, device: str) -> dict[str, Any]:
     torch.manual_seed(0)
     inp = train.inputs_from_run(rd)
     save = Path(tempfile.mkdtemp(prefix="bare-", dir=rd.root))
-    model, tk, vk, _ = train.build_draft(inp, cfg.train, res, save)
+    model, staged, _ = train.build_draft(inp, cfg.train, res, save)
     dtype = getattr(torch, res.hidden_states_dtype)
     n = sz["warmup"] + sz["steps"]
     batches = synthetic_batches(sz, n, device, dtype)
-    tconf = TrainerConfig(lr=1e-4, num_epochs=1, save_path=str(save), train_call_kwargs=tk, val_call_kwargs=vk,
-                          scheduler_type="none", hidden_states_dtype=dtype, log_freq=1, max_steps=n)
+    tconf = TrainerConfig(lr=1e-4, num_epochs=1, save_path=str(save), train_call_kwargs=staged.train_call_kwargs,
+                          val_call_kwargs=staged.val_call_kwargs, scheduler_type="none", hidden_states_dtype=dtype,
+                          log_freq=1, max_steps=n)
     stamps: list[float] = []
 
     def on_step() -> None:

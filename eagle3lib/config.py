@@ -230,21 +230,49 @@ class VerifierSection(Section):
 
 
 class TrainSection(Section):
+    """Stage 05. The draft's shape, loss, optimizer and schedule are speculators 0.9's own options (the same names as
+    its `speculators train` flags where the config allows), passed through its TrainConfig, so a default left unset
+    here is speculators' own derived one."""
+
     num_layers: int = Field(1, description="Draft decoder layers.")
     ttt_steps: int = Field(3, description="Test-time-training steps (draft tokens trained per position).")
-    step_loss_decay: float = Field(1.0, description="Loss weight factor per TTT step.")
-    loss: Literal["kl", "ce"] = Field("kl", description="Draft loss against the verifier's distribution.")
+    ttt_step_loss_decay: float = Field(1.0, description="Loss weight factor per TTT step (1.0 = every step weighs "
+                                       "the same).")
+    loss: Literal["kl_div", "rkl", "jsd", "ce", "tv"] = Field(
+        "kl_div", description="Draft loss against the verifier's distribution (speculators' loss_fn: forward KL, "
+        "reverse KL, Jensen-Shannon, cross-entropy on the verifier's argmax, total variation).")
     loss_implementation: Literal["auto", "eager", "fused"] = Field(
         "auto", description="auto = fused on GPU when it works there, eager otherwise."
     )
     draft_attn_impl: Literal["auto", "sdpa", "flex_attention"] = Field(
         "auto", description="auto = flex_attention on GPU, sdpa on CPU."
     )
-    optimizer: Literal["adamw"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(1e-4, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, description="AdamW weight decay.")
-    scheduler: Literal["constant", "linear", "cosine"] = Field("cosine", description="Learning-rate schedule.")
-    warmup_steps: int = Field(0, description="Linear warm-up steps.")
+    norm_before_fc: bool | None = Field(None, description="One RMSNorm over the concatenated aux states before the fc "
+                                        "(None = speculators' default: on for EAGLE-3).")
+    fc_norm: bool = Field(False, description="An RMSNorm per aux state before the concatenation (EAGLE 3.1's "
+                          "variant of norm_before_fc).")
+    norm_output: bool | None = Field(None, description="Feed the post-norm state back across TTT steps (None = "
+                                     "speculators' default: on for EAGLE-3).")
+    norm_before_residual: bool = Field(True, description="RMSNorm before the draft layer's residual connection.")
+    embed_requires_grad: bool = Field(False, description="Train the draft's copy of the verifier's embedding too.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw, or muon: torch's Muon on the draft's 2-D weight matrices and AdamW (train.lr, "
+        "train.weight_decay) on the rest, split by speculators' own rule (speculators.train.optimizers).")
+    lr: float = Field(1e-4, description="Peak learning rate (AdamW; with muon, its AdamW group).")
+    weight_decay: float = Field(0.0, description="AdamW weight decay (with muon, its AdamW group's).")
+    muon_lr: float | None = Field(None, description="optimizer muon: the Muon group's peak learning rate (None = "
+                                  "train.lr, as speculators derives it).")
+    muon_momentum: float = Field(0.95, description="optimizer muon: Muon's momentum.")
+    muon_weight_decay: float = Field(0.1, description="optimizer muon: the Muon group's weight decay.")
+    muon_ns_steps: int = Field(5, ge=1, description="optimizer muon: Newton-Schulz iterations per update.")
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = Field(
+        "match_rms_adamw", description="optimizer muon: match_rms_adamw scales Muon's update to AdamW's RMS, so one "
+        "learning rate suits both groups.")
+    scheduler: Literal["constant", "linear", "cosine"] = Field("cosine", description="Learning-rate schedule after "
+                                                                "the warm-up (linear and cosine decay to 0).")
+    warmup_steps: int | None = Field(0, ge=0, description="Linear warm-up steps (None = train.warmup_ratio).")
+    warmup_ratio: float | None = Field(None, ge=0.0, le=1.0, description="Warm-up as a share of all optimizer steps, "
+                                       "used when train.warmup_steps is None (None too: speculators' 1%).")
     epochs: int = Field(3, description="Passes over the training set.")
     train_fraction: float = Field(
         1.0, gt=0.0, le=1.0, description="The share of stage 02's training rows stage 05 trains on: the first "

@@ -28,7 +28,6 @@ from eagle3lib.train.inputs import check_shards, inputs_from_run
 from eagle3lib.train.loader import make_loaders
 from eagle3lib.train.settings import Resolved, resolve_settings
 from eagle3lib.train.speculators_glue import (
-    SCHEDULERS,
     build_draft,
     ensure_cpu_patch,
     fused_adamw,
@@ -105,11 +104,10 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
         lap("spool_start")
     save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
 
-    model, train_kwargs, val_kwargs, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)
+    model, tconf, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)
     if is_rank0():
         spec_cfg.save(str(save_path))  # speculators' run.yaml + train_command.txt beside the checkpoints
     lap("build_draft")
-    tconf = _trainer_config(tcfg, res, save_path, train_kwargs, val_kwargs)
 
     curves_path = draft_dir(rd) / "curves.json"
     with quiet_bars_and_capture() as capture:
@@ -140,6 +138,8 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
         result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, recorder.tokens,
                          elapsed, tcfg.ttt_steps)
         result["hidden_states"] = tcfg.hidden_states
+        # what speculators built from train.optimizer (muon: Muon on the 2-D weights, AdamW on the rest)
+        result["optimizers"] = [type(opt).__name__ for opt in trainer.optimizers]
         # what the draft saw (a data-volume curve's x: train.train_fraction of stage 02's rows)
         result.update(train_rows=len(train_loader.dataset), train_tokens=recorder.tokens)
         lap("finalize")
@@ -183,19 +183,6 @@ def _prepare_save_path(save_path: Path, tcfg: TrainSection, draft_vocab_size: in
         log.warning("removed the half-written checkpoint %s/%s of an interrupted run", save_path, name)
     _barrier()  # rank 0 cleaned up before any rank looks for a checkpoint
     return save_path
-
-
-def _trainer_config(tcfg: TrainSection, res: Resolved, save_path: Path, train_kwargs: dict[str, Any],
-                    val_kwargs: dict[str, Any]):
-    """speculators' TrainerConfig from cfg.train: resume from the last checkpoint, log every step."""
-    from speculators.train.trainer import TrainerConfig
-
-    return TrainerConfig(
-        lr=tcfg.lr, num_epochs=tcfg.epochs, save_path=str(save_path), resume_from_checkpoint=True,
-        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=tcfg.optimizer,
-        weight_decay=tcfg.weight_decay, scheduler_type=SCHEDULERS[tcfg.scheduler],  # type: ignore[arg-type]
-        scheduler_warmup_steps=tcfg.warmup_steps, checkpoint_freq=1,
-        hidden_states_dtype=getattr(torch, res.hidden_states_dtype), log_freq=1, max_steps=tcfg.max_steps)
 
 
 def _validate_untrained(trainer: Any, ttt_steps: int) -> dict[str, Any]:

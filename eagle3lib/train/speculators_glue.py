@@ -1,9 +1,10 @@
 """Where stage 05 meets speculators 0.9: its typed config and draft model, and the small patches around its Trainer.
 
 What this module adds around speculators (and nothing else: no second EAGLE-3 implementation):
-  * `speculators_train_config` / `build_draft`: `Eagle3DraftModel.from_training_args` through speculators' own
-    `build_draft_model` (so every default — norm_before_fc, norm_output, sliding window, rope — is speculators'),
-    with every knob from `cfg.train`;
+  * `speculators_train_config` / `build_draft` / `trainer_config`: `Eagle3DraftModel.from_training_args` through
+    speculators' own `build_draft_model` (so every default — norm_before_fc, norm_output, sliding window, rope — is
+    speculators'), and its TrainerConfig (optimizer, muon, schedule) mapped as `speculators train` maps it, with every
+    knob from `cfg.train`;
   * `quiet_bars_and_capture`: speculators' per-step metric dicts routed to the stage, its rich bars silenced;
   * `fused_adamw`: torch's fused AdamW kernel on a GPU;
   * `ensure_cpu_patch`: the Trainer-on-CPU patch from the compat registry (docs/engines.md#speculators-trainer-on-the-cpu).
@@ -25,34 +26,50 @@ from eagle3lib.config import TrainSection
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.settings import Resolved
 
-LOSS_NAMES = {"kl": "kl_div", "ce": "ce"}
 SCHEDULERS = {"constant": "none", "linear": "linear", "cosine": "cosine"}
+# cfg.train fields passed to speculators' TrainConfig under the same name
+SAME_NAMES = ("num_layers", "ttt_steps", "ttt_step_loss_decay", "norm_before_fc", "fc_norm", "norm_output",
+              "norm_before_residual", "embed_requires_grad", "optimizer", "lr", "weight_decay", "muon_lr",
+              "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr_fn", "epochs", "max_steps")
 
 
 def speculators_train_config(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int):
     """speculators' own typed TrainConfig (its defaults fill every field we do not set)."""
     from speculators.train.config import TrainConfig
 
-    flat: dict[str, Any] = {
+    flat: dict[str, Any] = {name: getattr(tcfg, name) for name in SAME_NAMES}
+    flat.update({
         "speculator_type": "eagle3", "seed": seed,
         "verifier_name_or_path": str(inp.verifier_dir), "target_layer_ids": inp.aux_layer_ids,
-        "num_layers": tcfg.num_layers, "draft_vocab_size": inp.draft_vocab_size, "draft_attn_impl": res.attn_impl,
+        "draft_vocab_size": inp.draft_vocab_size, "draft_attn_impl": res.attn_impl,
         "mask_token_id": 0,  # unused by eagle3; set so no tokenizer is needed beside the verifier tensors
         "data_path": str(inp.dataset_dir), "total_seq_len": tcfg.packing_length,
         "train_data_ratio": inp.train_ratio, "hidden_states_dtype": res.hidden_states_dtype,
         "num_workers": res.num_workers, "prefetch_factor": tcfg.prefetch_factor,
-        "loss_implementation": res.loss_implementation, "loss_fn": LOSS_NAMES[tcfg.loss],
-        "ttt_steps": tcfg.ttt_steps, "ttt_step_loss_decay": tcfg.step_loss_decay,
-        "optimizer": tcfg.optimizer, "lr": tcfg.lr, "weight_decay": tcfg.weight_decay,
+        "loss_implementation": res.loss_implementation, "loss_fn": tcfg.loss,
         "scheduler_type": SCHEDULERS[tcfg.scheduler], "scheduler_warmup_steps": tcfg.warmup_steps,
-        "epochs": tcfg.epochs, "max_steps": tcfg.max_steps, "save_path": str(save_path), "checkpoint_freq": 1,
-    }
+        "scheduler_warmup_ratio": tcfg.warmup_ratio, "save_path": str(save_path), "checkpoint_freq": 1,
+    })
     return TrainConfig.from_flat(flat)
+
+
+def trainer_config(args: argparse.Namespace, train_kwargs: dict[str, Any], val_kwargs: dict[str, Any]):
+    """speculators' TrainerConfig from its flattened TrainConfig, field by field as `speculators train` builds it
+    (speculators.train.cli.main): every optimizer and schedule option reaches the Trainer through one mapping.
+    The workbook always resumes from the last checkpoint and logs every step (its curves)."""
+    from speculators.train.trainer import TrainerConfig
+
+    renamed = {"num_epochs": "epochs"}
+    fields = {name: getattr(args, renamed.get(name, name)) for name in TrainerConfig._fields
+              if hasattr(args, renamed.get(name, name))}
+    fields.update(resume_from_checkpoint=True, train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs,
+                  hidden_states_dtype=getattr(torch, args.hidden_states_dtype), log_freq=1)
+    return TrainerConfig(**fields)
 
 
 def build_draft(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int = 0):
     """`Eagle3DraftModel.from_training_args` via speculators' `build_draft_model` (verifier config, layer config,
-    vocab maps, verifier weights — all speculators' code). Returns (model, train_kwargs, val_kwargs, args)."""
+    vocab maps, verifier weights — all speculators' code). Returns (model, trainer config, its TrainConfig)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import build_draft_model
 
@@ -60,7 +77,7 @@ def build_draft(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: 
     args = argparse.Namespace(**spec_cfg.flatten())
     model = build_draft_model(args, Eagle3DraftModel, inp.t2d, inp.d2t, inp.draft_vocab_size)
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**vars(args))
-    return model, train_kwargs, val_kwargs, spec_cfg
+    return model, trainer_config(args, train_kwargs, val_kwargs), spec_cfg
 
 
 def is_rank0() -> bool:

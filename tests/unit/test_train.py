@@ -254,3 +254,40 @@ def test_a_process_without_validation_batches_is_one_clear_error(tmp_path, tiny_
     assert proc.returncode != 0
     assert "the val split (rows: 1) gives this process (rank 1 of 2) no batch" in proc.stderr, proc.stderr[-3000:]
     assert not rd.path("draft", "result.json").exists()
+
+
+def test_every_speculators_training_option_trains_a_draft(tiny_run):
+    """The options cfg.train passes to speculators' own TrainConfig and Trainer (muon, its settings, the loss, the
+    schedule and its warm-up share, the TTT decay, the draft's norms) train a tiny draft that learns, and each one
+    reaches speculators: its resolved run.yaml, the optimizers it built and the learning rate per step say so."""
+    from speculators.train.config import TrainConfig
+
+    from eagle3lib import verifier
+
+    cfg, rd = tiny_run
+    stage04 = StageRun(get_stage("04"), cfg, rd)
+    stage04.finish(verifier.run(stage04, check_speculators=False))
+    # (muon at AdamW's 3e-3 barely moves this tiny draft in a few steps: its Muon group gets a larger rate)
+    options = dict(optimizer="muon", muon_lr=0.1, muon_momentum=0.9, muon_weight_decay=0.05, muon_ns_steps=4,
+                   muon_adjust_lr_fn="original", loss="rkl", ttt_step_loss_decay=0.8, scheduler="linear",
+                   warmup_steps=None, warmup_ratio=0.25, norm_before_fc=False, fc_norm=True, norm_output=False,
+                   norm_before_residual=False, embed_requires_grad=True, weight_decay=0.01)
+    cfg = with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 5}, **options)
+    result = train.train(RunDir(rd.root, cfg), progress=False)
+    assert result["val_eal"] > result["val_eal_untrained"]
+    assert result["optimizers"] == ["Muon", "AdamW"]
+    # speculators' own record of the run (run.yaml, read back by its own resolver as `--config` would)
+    flat = TrainConfig.resolve(["--config", str(rd.path("draft", "checkpoints", "run.yaml"))]).flatten()
+    expected = {**{k: v for k, v in options.items() if k not in ("loss", "scheduler", "warmup_steps",
+                                                                 "warmup_ratio")},
+                "loss_fn": "rkl", "scheduler_type": "linear", "scheduler_warmup_ratio": 0.25,
+                "scheduler_warmup_steps": None}
+    assert {k: flat.get(k) for k in expected} == expected
+    # the learning rate per step, per optimizer as speculators logs it: a linear warm-up over the first quarter,
+    # then a linear decay, Muon's from train.muon_lr and AdamW's from train.lr
+    steps = json.loads(rd.path("draft", "curves.json").read_text())["steps"]
+    assert max(s["lr"]["AdamW"] for s in steps) == pytest.approx(TRAIN_OVERRIDES["lr"])
+    lrs = [s["lr"]["Muon"] for s in steps]
+    peak = lrs.index(max(lrs))
+    assert max(lrs) <= 0.1 + 1e-9 and 0 < peak < len(lrs) - 1
+    assert lrs[:peak + 1] == sorted(lrs[:peak + 1]) and lrs[peak:] == sorted(lrs[peak:], reverse=True)
