@@ -1,0 +1,273 @@
+"""Benchmark (not a test): the workbook beside its peers on one run's conversations, every draft measured by the
+workbook's own stage 06 (same prompts, same flags, k from the config).
+
+Arms:
+  workbook          the run itself, stages 00-06 as configured (`eagle3 run`).
+  speculators_cli   speculators' own `speculators train` (its CLI, its defaults: muon, lr 1e-3, linear schedule,
+                    kl_div, weight decay 0.01, seed 42, its own draft vocabulary built from the run's token
+                    frequencies) on a fork of the run (`rundir.fork_run`: the same conversations, rows, validation rows
+                    and hidden-state shards, through hard links), for `--cli-epochs` epochs (default: the workbook's;
+                    its own default is 20). What the run's machine decides is the workbook arm's: attention kernel,
+                    loss kernel (speculators' fused loss fails under torch 2.11's dynamo, docs/engines.md), states
+                    dtype, loader workers; and what the data decides: the training/validation boundary (its 0.9
+                    default would move it) and the tokens per packed step (train.packing_length; its default is
+                    8192, the GPU recipes' value), so both arms take the same optimizer steps per epoch. Its
+                    draft is then registered as the fork's stage 05 (`register_draft`) and stage 06 runs on the fork.
+                    Not run by this harness: speculators' own data preparation and `generate-offline-data` (vLLM +
+                    hs-connectors), which would write a second copy of the same states.
+  specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`): it pins
+                    sglang==0.5.14 (and its CUDA kernel packages) and transformers==5.8.1, none of them on the GPU
+                    host's image, and its offline mode trains on hidden states SGLang captures in its own format.
+
+Per arm: tau on the held-out prompts and on MT-Bench (stage 06, serve method: the draft's `vllm serve` counters),
+validation EAL (speculators' own validation metrics on the same validation rows), training tokens, stage seconds,
+GPU seconds (stages 02, 05, 06: the ones that hold the GPU), the hidden states' bytes on disk.
+
+    eagle3 run --config C --run R                                    # the workbook arm: stages 00-06
+    python benchmarks/peers.py train --config C --run R              # speculators' CLI on a fork (R-speculators-cli)
+    python benchmarks/peers.py evaluate --config C --run R           # stage 06 on each fork
+    python benchmarks/peers.py report --config C --run R --out benchmarks/results/peers_qwen15_h200.json \
+        --note "date, commit, machine, command"
+
+`-p KEY=VALUE` overrides go to every arm's stage 06 (give the workbook arm the same). The `train` step can run
+while the workbook arm trains (both on one GPU: the arms' training seconds are then each under that sharing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CLI_ARM = "speculators_cli"
+SPECFORGE_SKIPPED = (
+    "not run: SpecForge 0.2.0 (PyPI) requires sglang==0.5.14 (whose own requirements include sglang-kernel 0.4.4, "
+    "flashinfer-python 0.6.12, flash-attn-4 4.0.0b15, tilelang, torchao 0.17, torchaudio 2.11) and "
+    "transformers==5.8.1; the GPU host's image has none of them (transformers 5.17.0, which vLLM 0.26 and the "
+    "workbook use) and reaches no package index, and its offline mode trains on hidden states that SGLang "
+    "captures in SpecForge's own format, not on these shards")
+GPU_STAGES = ("02", "05", "06")
+
+
+def fork_name(run: str, epochs: int | None) -> str:
+    return f"{run}-speculators-cli" + (f"-e{epochs}" if epochs else "")
+
+
+def cli_arguments(inp: Any, res: Any, token_freq: Path, save_path: Path, log_dir: Path, epochs: int,
+                  fp8: bool, packing_length: int) -> list[str]:
+    """`speculators train` flags for the run's data: where things are, plus what the machine decides (as for the
+    workbook arm). Everything else is speculators' default."""
+    has_tokenizer = any((Path(inp.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    args = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(inp.model_dir),
+            "--data-path", str(inp.dataset_dir), "--hidden-states-backend", "fp8" if fp8 else "file",
+            "--target-layer-ids", *[str(i) for i in inp.aux_layer_ids],
+            "--draft-vocab-size", str(inp.draft_vocab_size), "--token-freq-path", str(token_freq),
+            "--train-data-ratio", repr(inp.train_ratio), "--total-seq-len", str(packing_length),
+            "--epochs", str(epochs), "--save-path", str(save_path),
+            "--log-dir", str(log_dir),
+            "--draft-attn-impl", res.attn_impl, "--loss-implementation", res.loss_implementation,
+            "--hidden-states-dtype", res.hidden_states_dtype, "--num-workers", str(res.num_workers)]
+    if not has_tokenizer:  # a tiny test target: no tokenizer to read the mask token from (eagle3 does not use it)
+        args += ["--mask-token-id", "0"]
+    return args
+
+
+def speculators_train(argv: list[str]) -> None:
+    """`speculators train ARGS` in this process, its per-step and validation metric dicts written to RECORDS
+    (`--records RECORDS` first). On a machine without an accelerator the workbook's speculators-Trainer-on-CPU patch
+    goes first (docs/engines.md#speculators-trainer-on-the-cpu): speculators' Trainer moves to an accelerator."""
+    import torch
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    from eagle3lib import atomic
+    from eagle3lib.train.speculators_glue import ensure_cpu_patch
+
+    records_path = Path(argv[argv.index("--records") + 1])
+    del argv[argv.index("--records"):argv.index("--records") + 2]
+    ensure_cpu_patch("cuda" if torch.cuda.is_available() else "cpu")
+    records: list[dict[str, Any]] = []
+
+    class Capture(logging.Handler):  # on the root logger: speculators' dictConfig replaces its own handlers
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.name == "speculators.metrics" and isinstance(record.msg, dict) and (
+                    "train" in record.msg or "val" in record.msg):
+                records.append({k: v for k, v in record.msg.items() if k != "profile"})
+
+    logging.getLogger().addHandler(Capture(logging.INFO))
+    t0 = time.perf_counter()
+    try:
+        main(TrainConfig.resolve(argv))
+    finally:
+        atomic.write_json(records_path, {"seconds": round(time.perf_counter() - t0, 2), "records": records})
+
+
+def register_draft(rd: Any, inp: Any, save_path: Path, records: dict[str, Any], command: list[str],
+                   started: float, epochs: int) -> Path:
+    """The peer's last checkpoint as the fork's stage 05 output (what stage 06 reads), packaged as the workbook
+    packages its own (`finalize_checkpoint`: the verifier named by the target's folder, the aux-layer count pinned
+    for vLLM), with draft/result.json and the stage's manifest. The manifest's metrics are the peer's own."""
+    from eagle3lib import atomic
+    from eagle3lib.stages import get_stage
+    from eagle3lib.train.checkpoint import finalize_checkpoint
+    from eagle3lib.train.curves import curve_point
+
+    epoch_dirs = sorted((d for d in save_path.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+    if not epoch_dirs:
+        raise SystemExit(f"speculators train left no checkpoint in {save_path}")
+    final = epoch_dirs[-1]
+    finalize_checkpoint(final, inp)
+    ttt = rd.cfg.train.ttt_steps
+    vals = [r["val"] for r in records["records"] if "val" in r]
+    steps = [r for r in records["records"] if "train" in r]
+    val = curve_point(vals[-1], ttt, "_epoch") if vals else {}
+    from datasets import load_from_disk
+
+    lengths = list(load_from_disk(str(inp.dataset_dir)).with_format(None)["seq_len"])
+    result = {"checkpoint": str(final), "trained_by": "speculators train", "command": command,
+              "epochs_done": len(epoch_dirs), "global_step": len(steps), "val_eal": val.get("eal"),
+              "val_loss": val.get("loss"), "val_full_acc": [val.get(f"full_acc_{s}") for s in range(ttt)],
+              "val_eal_untrained": None, "train_eal": None, "train_seconds": records["seconds"],
+              # each training row once per epoch, less the token the shift to next-token targets drops (what the
+              # workbook's loader counts)
+              "train_tokens": epochs * sum(n - 1 for n in lengths[:inp.train_rows]), "train_rows": inp.train_rows}
+    result["tokens_per_s"] = result["train_tokens"] / records["seconds"] if records["seconds"] else None
+    atomic.write_json(rd.path("draft", "result.json"), result)
+    return rd.write_manifest(get_stage("05"), started=started, outputs={"checkpoint": final},
+                             metrics={k: v for k, v in result.items() if k not in ("checkpoint", "command")})
+
+
+def train_arm(config: str, run: str, epochs: int | None) -> Path:
+    """Fork the run and train speculators' CLI arm on it; returns the fork's folder."""
+    from eagle3lib import shards
+    from eagle3lib.config import load_run_config
+    from eagle3lib.rundir import RunDir, fork_run, run_root
+    from eagle3lib.train import inputs_from_run, resolve_settings
+
+    base_cfg = load_run_config(config, run)
+    fork = fork_name(run, epochs)
+    dst = fork_run(run_root(base_cfg), run_root(base_cfg).parent / fork)
+    cfg = load_run_config(config, fork)
+    rd = RunDir(dst, cfg)
+    inp = inputs_from_run(rd)
+    res = resolve_settings(cfg.train)
+    fp8 = bool(shards.spec_from_metrics(rd.read_manifest("02")["metrics"]).fp8)
+    n_epochs = epochs or cfg.train.epochs
+    save_path = rd.path("draft", "checkpoints")
+    save_path.mkdir(parents=True, exist_ok=True)
+    args = cli_arguments(inp, res, rd.output("02", "token_freq"), save_path, rd.path("draft", "logs"), n_epochs, fp8,
+                         cfg.train.packing_length)
+    records = rd.path("draft", "speculators_records.json")
+    started = time.time()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(Path(__file__).resolve()), "speculators-train", "--records", str(records), *args]
+    with open(rd.path("draft", "speculators_train.log"), "w") as log:
+        subprocess.run(command, cwd=REPO, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    register_draft(rd, inp, save_path, json.loads(records.read_text()), ["speculators", "train", *args], started,
+                   n_epochs)
+    return dst
+
+
+def evaluate_arm(config: str, fork: str, overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "eagle3lib.cli", "run", "--config", config, "--run", fork, "--stages", "06",
+           *[x for o in overrides for x in ("-p", o)]]
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def arm_summary(run_dir: Path) -> dict[str, Any]:
+    """One arm's figures, from its manifests and files."""
+    from eagle3lib.evaluate.report import read_manifests
+
+    ms = read_manifests(run_dir)
+    m02, m05, m06 = (ms.get(s, {}).get("metrics", {}) for s in ("02", "05", "06"))
+    result = json.loads((run_dir / "draft" / "result.json").read_text()) if (run_dir / "draft" / "result.json").is_file() else {}
+    serve = "vllm serve"
+    seconds = {m["stage"]: m.get("seconds") for m in ms.values()}
+    return {"run": run_dir.name, "trained_by": result.get("trained_by", "eagle3lib (speculators' Trainer)"),
+            "tau_heldout": (m06.get("tau") or {}).get(serve),
+            "tau_mt_bench": ((m06.get("tau_by_benchmark") or {}).get("mt_bench") or {}).get(serve),
+            "tau_by_benchmark": {b: t.get(serve) for b, t in (m06.get("tau_by_benchmark") or {}).items()},
+            "speedup_by_concurrency": m06.get("serve_speedup_by_concurrency"),
+            "val_eal": result.get("val_eal"), "val_full_acc": result.get("val_full_acc"),
+            "train_tokens": result.get("train_tokens"), "optimizer_steps": result.get("global_step"),
+            "train_seconds": result.get("train_seconds"), "stage_seconds": seconds,
+            "gpu_seconds": round(sum(v or 0 for m in ms.values() if m["stage"][:2] in GPU_STAGES
+                                     for v in [m.get("seconds")]), 1),
+            "disk_bytes": m02.get("bytes"), "command": result.get("command")}
+
+
+def report(config: str, run: str, epochs: list[int | None], out: Path, note: str) -> dict[str, Any]:
+    from eagle3lib.config import load_run_config
+    from eagle3lib.rundir import run_root
+
+    base = run_root(load_run_config(config, run))
+    arms: dict[str, Any] = {"workbook": arm_summary(base)}
+    for e in epochs:
+        fork = base.parent / fork_name(run, e)
+        if fork.is_dir():
+            arms[CLI_ARM + (f"_e{e}" if e else "")] = arm_summary(fork)
+    arms["specforge"] = {"skipped": SPECFORGE_SKIPPED}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    result = {"note": note, "commit": commit, "host": platform.node(), "config": config, "run": run, "arms": arms}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown_table(result) + "\n")
+    return result
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    cols = ("tau_heldout", "tau_mt_bench", "val_eal", "train_tokens", "optimizer_steps", "train_seconds",
+            "gpu_seconds", "disk_bytes")
+    lines = ["| arm | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, arm in result["arms"].items():
+        if "skipped" in arm:
+            lines.append(f"| {name} | " + " | ".join(["skipped"] + [""] * (len(cols) - 1)) + " |")
+            continue
+        cells = []
+        for c in cols:
+            v = arm.get(c)
+            cells.append("—" if v is None else f"{v:,.3f}" if isinstance(v, float) and v < 100 else f"{v:,.0f}"
+                         if isinstance(v, (int, float)) else str(v))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "speculators-train":
+        speculators_train(sys.argv[2:])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=("train", "evaluate", "report"))
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run", required=True, help="the workbook arm: a run with stages 00-04 done (00-06 for report)")
+    ap.add_argument("--cli-epochs", type=int, nargs="*", default=[0],
+                    help="speculators' CLI arm once per value (0 = the workbook's train.epochs)")
+    ap.add_argument("-p", dest="overrides", action="append", default=[], help="stage 06 overrides for the forks")
+    ap.add_argument("--out", default="benchmarks/results/peers.json")
+    ap.add_argument("--note", default="", help="date, commit, machine, command (kept in the JSON)")
+    args = ap.parse_args()
+    epochs = [e or None for e in args.cli_epochs]
+    for e in epochs:
+        if args.step == "train":
+            print("speculators_cli arm trained in", train_arm(args.config, args.run, e))
+        elif args.step == "evaluate":
+            evaluate_arm(args.config, fork_name(args.run, e), args.overrides)
+    if args.step == "report":
+        result = report(args.config, args.run, epochs, Path(args.out), args.note)
+        print(markdown_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""benchmarks/peers.py's speculators-CLI arm on the CPU: speculators' own `speculators train` (its CLI, its
+defaults) trains on the workbook's shards of a forked run, its draft becomes the fork's stage 05, stage 06's inputs
+find it, and the harness's JSON reads the arm back."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3lib.rundir import RunDir, StageRun
+from eagle3lib.stages import get_stage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_run, monkeypatch, tmp_path):
+    from speculators.train.config import TrainConfig
+
+    from eagle3lib import evaluate, train, verifier
+    from eagle3lib.config import load_config
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peers
+
+    cfg, rd = tiny_run
+    stage04 = StageRun(get_stage("04"), cfg, rd)
+    stage04.finish(verifier.run(stage04, check_speculators=False))
+    config = tmp_path / "tiny.yaml"
+    config.write_text(cfg.to_yaml())
+    monkeypatch.chdir(REPO)
+
+    fork = peers.train_arm(str(config), cfg.run.name, epochs=2)
+    frd = RunDir(fork, load_config(config, [f"run.name={fork.name}"]))
+    # speculators' defaults, not the workbook's: its optimizer (muon), its learning rate and seed; the run's rows
+    flat = TrainConfig.resolve(["--config", str(fork / "draft" / "checkpoints" / "run.yaml")]).flatten()
+    assert (flat["optimizer"], flat["lr"], flat["seed"], flat["epochs"]) == ("muon", 1e-3, 42, 2)
+    assert flat["train_data_ratio"] == pytest.approx(train.inputs_from_run(frd).train_ratio)
+    assert flat["data_path"] == str(frd.output("02", "dataset"))
+    # its draft is the fork's stage 05: reloadable, with speculators' own validation metrics
+    m05 = frd.read_manifest("05")
+    ckpt = frd.output("05", "checkpoint")
+    assert ckpt.name == "1" and train.reload_checkpoint(ckpt) is not None
+    assert 1.0 <= m05["metrics"]["val_eal"] <= 1.0 + cfg.train.ttt_steps
+    assert m05["metrics"]["trained_by"] == "speculators train" and m05["metrics"]["global_step"] > 0
+    stage06 = StageRun(get_stage("06"), frd.cfg, frd)
+    assert evaluate.inputs.inputs_from_run(stage06).checkpoint == ckpt
+    # the base run (the workbook arm) is untouched: no draft of its own yet
+    assert not rd.path("draft").exists()
+
+    out = tmp_path / "peers.json"
+    result = peers.report(str(config), cfg.run.name, [2], out, "tiny CPU check")
+    arm = result["arms"]["speculators_cli_e2"]
+    assert arm["val_eal"] == m05["metrics"]["val_eal"] and arm["train_tokens"] > 0
+    assert "skipped" in result["arms"]["specforge"] and json.loads(out.read_text())["arms"].keys() == result["arms"].keys()
+    assert out.with_suffix(".md").read_text().count("\n") == len(result["arms"]) + 2  # header, rule, one row each
