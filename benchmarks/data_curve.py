@@ -1,7 +1,7 @@
 """Benchmark (not a test): the data-volume curve of one extraction (issues 21 and 26). What is the next doubling of
 training data worth?
 
-`benchmarks/device/session.sh STEPS=curve` (or by hand: `rundir.fork_run` + `eagle3 run --stages 05 -p
+`benchmarks/device/driver.sh STEPS=curve` (or by hand: `rundir.fork_run` + `eagle3 run --stages 05 -p
 train.train_fraction=F`) trains stage 05 again on forks of one run, each on the first share F of stage 02's shuffled
 training rows, with the same validation rows and the same epochs (so fewer optimizer steps on less data: the curve
 is what a user gets from F of the data with this recipe, not data at a fixed step count). This script reads each
@@ -10,13 +10,13 @@ figure: validation EAL (and each position's acceptance) against training tokens 
 ran stage 06 adds its held-out tau (by method, and by benchmark where evaluate.benchmarks asked for them); every
 fork adds its stages' seconds (its manifests: a fork's copied stages 00-04 are the base run's).
 
-`session.sh STEPS=curve_online` trains its forks online from one stage 02 of 4x the recipe's data; `--reference
+`driver.sh STEPS=curve_online` trains its forks online from one stage 02 of 4x the recipe's data; `--reference
 FILE:ARM` adds an arm of a benchmarks/hidden_state_modes.py result (e.g. the 1x recipe's one online epoch,
-benchmarks/results/online_smollm2_h200.json:online) as a point marked `reference`; a per_doubling step from or to
-it says `across_validation_sets`: its validation rows are its own run's, not the forks'.
+benchmarks/results/hidden_state_modes_smollm2_h200_2026-12-02.json:online) as a point marked `reference`; a
+per_doubling step from or to it says `across_validation_sets`: its validation rows are its own run's, not the forks'.
 
     python benchmarks/data_curve.py outputs/RUN-f0.25 outputs/RUN-f0.5 outputs/RUN \
-        --out benchmarks/results/data_curve_qwen15_h200.json --note "what ran, where, at which commit"
+        --out benchmarks/results/data_curve_qwen15_h200_$(date +%F).json --note "what ran, where, at which commit"
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ It prints both in tokens/s and their ratio (goal on an H200 with the Llama-3.1-8
 
 The target is a random-weight Llama of the given shape (default: Llama-3.1-8B, bf16) built in memory: no download.
 
-    python benchmarks/extract.py --out benchmarks/results/extract_h200.json          # on the GPU
+    python benchmarks/extract.py --out benchmarks/results/extract_transformers_h200_$(date +%F).json   # on the GPU
     python benchmarks/extract.py --tiny --out /tmp/extract_tiny.json                 # CPU smoke test
 
 Needs only torch, transformers, safetensors, datasets, tqdm, pydantic, pyyaml (eagle3lib imports nothing else on
@@ -177,7 +177,7 @@ def main() -> None:
 
 
 # ---- vLLM backends (stage 02 on vLLM; separate entry: --backend vllm-...) ------------------------------------------
-# In ONE device session, on the same random-weight model and the same prompts, each mode in a fresh process (a clean
+# In ONE process tree on one machine, on the same random-weight model and the same prompts, each mode in a fresh process (a clean
 # GPU each time). The weights: --weights dummy (vLLM's load_format="dummy": only a config.json on disk) or --weights
 # random (a random bf16 checkpoint written once, ~16 GB for the 8B shape, that every mode loads: the capture probe
 # reads the final norm and lm_head from the checkpoint, so only then does it run, and its seconds are reported):
@@ -187,7 +187,7 @@ def main() -> None:
 #   vllm-worker  = the same with strategy worker (the workbook's capture worker).
 # Goal: native and worker >= 0.95 x prefill tokens/s.
 #
-#     python benchmarks/extract.py --backend vllm-all --out benchmarks/results/extract_vllm_h200.json   # GPU
+#     python benchmarks/extract.py --backend vllm-all --out benchmarks/results/extract_vllm_h200_$(date +%F).json   # GPU
 #     python benchmarks/extract.py --backend vllm-all --tiny --out /tmp/extract_vllm_tiny.json          # CPU smoke
 
 VLLM_MODES = ("vllm-prefill", "vllm-native", "vllm-worker")

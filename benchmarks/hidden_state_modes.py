@@ -1,6 +1,6 @@
 """Benchmark (not a test): offline vs online vs spool hidden states on ONE run's data (issue 21's GPU measurement).
 
-`benchmarks/device/session.sh STEPS=modes` makes the runs this reads, on one machine, one after the other:
+`benchmarks/device/driver.sh STEPS=modes` makes the runs this reads, on one machine, one after the other:
   <run>           stages 00-04 offline (stage 02 extracts every row's states to disk once),
   <run>-offline   a fork of it: stage 05, one epoch, reading those shards,
   <run>-online    a fork: stages 02/04/05 with train.hidden_states=online (stage 02 reuses the cached replies and writes
@@ -14,13 +14,13 @@ Figures (per token, so the 5% validation rows stage 02 also extracts do not skew
   online_ratio           = the online epoch's tok/s / offline combined (goal >= 0.9, with <= 2 GB of states on disk);
   spool_ratio            = the same for the spool epoch;
   spool_vs_online        = the spool epoch's tok/s / the online epoch's (also without an offline arm: ARMS="online
-                           spool" in session.sh).
+                           spool" in driver.sh).
 Each arm also gets `first_step_s` and `steady_tokens_per_s` (the steps after the first, from draft/curves.json): the
 first step holds one-off costs (flex attention's compile, the loader's start; 6-41 s on one H200), which dominate an
 epoch of small data (the small run's epoch: 38-93 s in all).
 
     python benchmarks/hidden_state_modes.py --runs outputs/smollm2-h200 \
-        --out benchmarks/results/online_smollm2_h200.json
+        --out benchmarks/results/hidden_state_modes_smollm2_h200_$(date +%F).json
 """
 
 from __future__ import annotations

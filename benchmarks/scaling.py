@@ -11,9 +11,9 @@
              tokens/s = rank 0's tokens/s x N (the packing sampler balances tokens over ranks), from step 20 on;
              the loss and acceptance curves of both runs are written side by side, every 10 steps.
 
-    python benchmarks/scaling.py extract --gpus 2 --out benchmarks/results/scaling_extract_h200x2.json
+    python benchmarks/scaling.py extract --gpus 2 --out benchmarks/results/scaling_extract_h200x2_$(date +%F).json
     python benchmarks/scaling.py train --config configs/smollm2-h200.yaml --run smollm2-h200 --gpus 2 \
-        --steps 300 --out benchmarks/results/scaling_train_h200x2.json
+        --steps 300 --out benchmarks/results/scaling_train_h200x2_$(date +%F).json
 Goal (issue 10): N GPUs >= 0.9 x N x 1 GPU.
 """
 

@@ -12,7 +12,7 @@ Both use the same resolved settings (`eagle3lib.train.resolve_settings`: flex at
 only if its probe passes, else eager) and count only steps after the warm-up (torch.compile). The shards' page cache is
 dropped after writing (posix_fadvise DONTNEED; --warm-cache keeps it), so (b) reads from the disk.
 
-    python benchmarks/train.py --out benchmarks/results/train_h200.json          # on the GPU (≈ 11 GB of shards)
+    python benchmarks/train.py --out benchmarks/results/train_h200_$(date +%F).json   # on the GPU (≈ 11 GB of shards)
     python benchmarks/train.py --tiny --out /tmp/train_tiny.json                 # CPU smoke test, a minute
     python benchmarks/train.py --loss fused --only a --out /tmp/fused.json      # is the fused loss faster here?
 

@@ -144,7 +144,7 @@ class DataSection(Section):
         "process on the same GPU with 1/N of extract.gpu_memory_utilization and run.seed + its index; a chunk of "
         "prompts is shared out among them. Why: a small target's decode is bound by the engine's CPU-side work, not "
         "the GPU: SmolLM2-135M on one H200 wrote 28.1k tok/s with 1 engine, 39.5k with 2 (x1.41, "
-        "benchmarks/results/generate_engines_h200.json). Greedy replies do not depend on it, sampled ones do.")
+        "benchmarks/results/generate_engines_h200_2026-12-02.json). Greedy replies do not depend on it, sampled ones do.")
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0,
         description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# On the H200 machine, in the call that carries the LAST chunk. Every call before copies its chunk into /tmp/bundle:
+# On the GPU host (no network), in the call that carries the LAST chunk of make_bundle.sh's bundle (driver.sh's
+# `install` phase runs it). Every call before copies its chunk into /tmp/bundle (driver.sh's `copy` phase):
 #   mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/
 # Then this assembles the bundle and installs vLLM, speculators, papermill and ipykernel into
 # /tmp/vsite (the packages of $CONFIG too); `source /tmp/eagle3-env.sh` afterwards sets PYTHONPATH and the offline switches.
 set -euo pipefail
 mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ 2>/dev/null || true
-# every part from 00 on, none missing: a machine given back between two copy calls (30 s idle) leaves a new one with
-# only the later parts (seen in session 13: "tar: This does not look like a tar archive")
+# every part from 00 on, none missing: a host replaced between two copy calls holds only the later parts (tar would
+# say only "This does not look like a tar archive")
 n=$(ls /tmp/bundle/part.* 2>/dev/null | wc -l)
 for i in $(seq 0 $(( n - 1 ))); do
   [ -f "$(printf /tmp/bundle/part.%02d "$i")" ] || { echo "bundle part $(printf %02d "$i") missing on this machine (it changed between copy calls): copy every chunk again" >&2; exit 3; }
@@ -36,9 +37,9 @@ assert not wrong, f"not installed at these versions: {wrong}"
 print("vllm", vllm.__version__, f"| speculators, papermill and the {len(pins)} packages of {sys.argv[1]} ok")
 PY
 # A box that sets PYTHONDONTWRITEBYTECODE compiles every module from source in every process (our CPU boxes: import
-# vllm 18 s -> 6 s once byte-compiled, scripts/install.sh). On the H200 (session 8) each vLLM process took ~25 s
-# before its first log line (the server, its two model inspections, its engine core): compile once, where nothing else
-# ever would. Its cost is logged.
+# vllm 18 s -> 6 s once byte-compiled, scripts/install.sh). On an H200 host that sets it (2026-12-01) each vLLM
+# process took ~25 s before its first log line (the server, its two model inspections, its engine core): compile
+# once, where nothing else ever would. Its cost is logged.
 echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
 if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
   t=$(date +%s); PYTHONDONTWRITEBYTECODE= python3 -m compileall -q -j 0 /tmp/vsite >/dev/null 2>&1 || true

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Here (a machine with network): pack what a bare H200 machine needs for a full workbook run into chunks that fit the
-# device tool's 64 MiB per call: vLLM 0.26 + speculators (../shared/tools/vllm-h200 payload, built into .vllm-parts
-# first), the packages the configs in CONFIGS need (their embedded target's GGUF parts, their prompt sources' and
-# benchmarks' packages: benchmarks/device/bundle_pins.py reads them from the workbook's own tables) and papermill +
-# ipykernel for `eagle3 run`.
+# Here (a machine with network): pack what a GPU host without network access needs for a full workbook run into
+# chunks that fit a 64 MiB transfer each, beside the working tree: vLLM 0.26 + speculators for CUDA 13 / torch 2.11
+# (../shared/tools/vllm-h200's payload, built into .vllm-parts first), the packages the configs in CONFIGS need (their
+# embedded target's GGUF parts, their prompt sources' and benchmarks' packages: benchmarks/device/bundle_pins.py reads
+# them from the workbook's own tables) and papermill + ipykernel for `eagle3 run`. On the host, driver.sh's `copy`
+# and `install` phases put it together (install.sh); docs/gpu-host.md says how it goes.
 # Usage: [CONFIGS="configs/a.yaml configs/b.yaml"] bash benchmarks/device/make_bundle.sh
 #   (default CONFIGS: the SmolLM2 recipe; writes .carry/bundle/c1..cN; carry one chunk per call, in order)
 # Sizes (56 MiB chunks, before benchmarks/device/caches): the SmolLM2 recipe 5 chunks; configs/qwen-coder-1.5b-h200.yaml

@@ -13,7 +13,7 @@ from typing import Any
 from eagle3lib import plots
 
 DEMO_PROMPTS = 16  # fewer held-out prompts than this, or a CPU, and the sweep is a demonstration, not a measurement
-GPU_CARDS = "benchmarks/results/"  # where the GPU recipe's report cards (recipe_h200*_report.md) are committed
+GPU_CARDS = "benchmarks/results/"  # where the GPU recipes' report cards (recipe_*_report.md) are committed
 
 
 def _x(v: float | None) -> str:
@@ -73,7 +73,7 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
         out += [f"> **Demo-scale run** ({'CPU' if serve.get('device') == 'cpu' else serve.get('device')}, "
                 f"{serve.get('prompts')} held-out prompts, up to {serve.get('max_tokens')} tokens each): these "
                 "speeds show that the sweep works, not what the draft does for a GPU server. The GPU recipe's report "
-                f"cards are committed under `{GPU_CARDS}` (`recipe_h200*_report.md`).", ""]
+                f"cards are committed under `{GPU_CARDS}` (`recipe_*_report.md`; by date in docs/results.md).", ""]
     return [*out, "---", ""]
 
 

@@ -3,7 +3,7 @@ on one GPU.
 
 Why: a small target's decode step is bound by the engine's CPU-side work (scheduling, sampling, output handling),
 not by the GPU. SmolLM2-135M on one H200 wrote 28.1k tok/s with one engine and 39.5k with two side by side (x1.41,
-benchmarks/results/generate_engines_h200.json). Processes, not threads: that CPU work holds the GIL.
+benchmarks/results/generate_engines_h200_2026-12-02.json). Processes, not threads: that CPU work holds the GIL.
 
 Each child holds one `VllmGenerator` built from the run's config except for two things (`engine_config`): 1/N of
 `extract.gpu_memory_utilization` and `run.seed + i` for engine i. Its engine runs as any stage 02 engine does

@@ -177,7 +177,7 @@ def test_train_fraction_trains_on_the_first_share_of_the_rows(trained_run, tmp_p
 def test_torchrun_accepts_the_multi_gpu_command():
     """The command notebook 05 and the README give for several GPUs, through the real torchrun launcher, ends in our
     own argument parser. (`--run` did not: torchrun rejects it as an ambiguous prefix of its --run-path, which a GPU
-    session found only after the stages before it had run.)"""
+    run found only after the stages before it had run.)"""
     import subprocess
     import sys
     from pathlib import Path

@@ -1,0 +1,335 @@
+#!/usr/bin/env bash
+# The driver for a GPU host without network access: it runs a plan of workbook steps there in the background, so
+# that the plan outlives the short calls that start and watch it. What it installs (vLLM, speculators, a config's
+# packages, papermill) comes from make_bundle.sh in chunks; install.sh unpacks it. One or two GPUs: a step with work
+# for GPU 1 runs it beside GPU 0's when there is a second GPU (`recipe`: on one GPU, the recipe alone).
+# The host this was built for and what each step cost there, dated: docs/gpu-host.md.
+#
+# One phase per call, run from the repository root on the host:
+#   copy     keep this call's chunk (.carry/bundle/cK) in /tmp/bundle: one call per chunk, all but the last
+#   install  the call that carries the last chunk: assemble and install the bundle (install.sh), then `launch`
+#   launch   keep the settings in /tmp/results/plan.env (every later call reads them back), start `plan` in the
+#            background (setsid) and return
+#   poll     wait up to WAIT s (default 540) for the plan, copying into $OUT every minute what it has so far (the
+#            results' JSON, the runs' small files as runs.tgz, the logs as logs.tgz), so a call cut short keeps it;
+#            exits 3 at once on a host without a plan (a new host since `launch`: copy and install again)
+#   plan     (launch starts it) the config's target converted once, then each step of STEPS in order; then DONE
+# Settings: CONFIG (default configs/smollm2-h200.yaml), RUN (its run name, default smollm2-h200), STEPS (default
+# recipe_ab), and each step's own below. LIMIT: seconds a stage run may take (default 1800).
+#
+# STEPS: what each runs -> what it writes, and what it took on one H200 (stage runs land in outputs/<run>/):
+#   recipe       GPU 0: $CONFIG, stages 00-06 as $RUN | GPU 1: the EAGLE-1-style row, the same data with the draft on
+#                one near-final layer (target.layer_ids=[$EAGLE1_LAYER]: default 29, SmolLM2's; 27 for the 1.5B
+#                Qwen). SmolLM2 recipe 1,300-1,520 s; the 1.5B recipe ~1,040 s with its target's conversion
+#   eagle1       GPU 0: the EAGLE-1-style run alone ($RUN-eagle1, evaluate.methods=[serve, ngram]: n-gram lookup as a
+#                third server): the comparison rows `recipe` has no room for on one GPU. The 1.5B: ~1,270 s
+#   recipe_ab    GPU 0: the recipe | GPU 1: the generator benchmark, then the recipe's states forked ($RUN-b) and
+#                trained with AB_PARAMS (default -p train.lr=0.002), evaluated offline + embedded. ~24 min (2 GPUs)
+#   benchmarks   GPU 0: the small run's stages 00-04 (bundled x8 + 4,000 self-instruct prompts), the generator
+#                benchmark, arm a | GPU 1: vLLM prefill vs the native and worker captures, then arm b (AB_PARAMS);
+#                both arms evaluated embedded. ~15 min (2 GPUs)
+#   curve        GPU 0: $RUN's stages 00-04 (unless there), then stage 05 on forks at each train.train_fraction of
+#                CURVE (default "0.25 0.5 1"): validation EAL against training tokens from one extraction
+#                (benchmarks/data_curve.py reads the forks). The 1.5B: ~600 s of stages 00-04, then ~175/220/315 s
+#   modes        GPU 0: $RUN's stages 00, 01, 02, 04 (unless there), then one epoch of stage 05 on a fork per arm of
+#                ARMS (default "offline online spool"; without offline the base captures no full shards), then
+#                benchmarks/hidden_state_modes.py -> $RES/online_<run>.json. MODES_SMALL=1: the small run's data.
+#                The recipe's data: base ~600 s, offline ~300, online ~340 (spool after them did not fit the
+#                budget); the small data: base ~300 s, spool ~375, offline ~130, online ~170
+#   generate     GPU 0: benchmarks/generate.py with ENGINES (default "1 2 4") vLLM engines side by side, 420 s at most
+#                a variant -> $RES/generate_engines_h200.json. 1 engine ~130 s, 2 ~80 s, 4 started in turn > 240 s
+#   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE online: $CONFIG's sources scaled by GEN_SCALE (default 4),
+#                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
+#                written); the replies caches come back as caches.txz.* (xz, 15 MiB parts) once the plan is done or
+#                with FINAL=1 (committed as benchmarks/device/caches/<run>.tar.xz). x4 on 4 engines: ~790 s
+#   curve_online GPU 0: those committed caches unpacked, stages 00-02 and 04 of $RUN-x$GEN_SCALE online, then stages
+#                05 (one epoch, online) and 06 (embedded) on forks at each train.train_fraction of CURVE (default
+#                "1"), side by side when there are several. Base ~210-270 s; fork 0.5 ~855 s, fork 1 ~1,060 s
+#   fp8_ab       GPU 0: $RUN-fp8ab, stages 00-06 with bf16 shards and one epoch, then benchmarks/fp8_ab.py's FP8 fork
+#                of it (stages 02-06) -> $RES/fp8_ab_$RUN.json. Arm A ~710 s, arm B ~430 s
+#   vllm_extract GPU 0: vLLM prefill vs the workbook's native and worker captures on a random Llama-3.1-8B-shaped
+#                checkpoint (256 x 2048 tokens), the capture probe timed (VLLM_MODES: which modes)
+#                -> $RES/extract_vllm_h200.json. ~300-380 s for all three, ~150 s for the worker alone
+#   scaling      both GPUs: draft training 1 vs 2 GPUs (torchrun) on $RUN (else the small run, made first), then
+#                extraction 1 vs 2 GPUs in /dev/shm and on disk -> $RES/scaling_*_h200x2.json. On the small run:
+#                training ~5 min, extraction in /dev/shm ~2.5 min
+# Before any step: the copies and the install (2-6 min, by the bundle's size) and the target's conversion (SmolLM2
+# ~25-35 s, the 1.5B ~55 s).
+set -uo pipefail
+phase=$1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# the settings `launch` was given outlive its call: later calls (poll, the plan itself) read them back (a poll that
+# fell back to the defaults would pack another run's folder, and nothing of this run would come back)
+if [ "$phase" != launch ] && [ "$phase" != install ] && [ -f /tmp/results/plan.env ]; then source /tmp/results/plan.env; fi
+CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
+RUN=${RUN:-smollm2-h200}
+STEPS=${STEPS:-recipe_ab}
+# the A/B arm: stages 05-06 again on the same states (measured: lr 1e-3 beat 5e-4; 2 draft layers +0.05 tau)
+AB_PARAMS=${AB_PARAMS:--p train.lr=0.002}
+SRUN=$RUN-small  # the small run: stage 02 in minutes instead of ~10, for the scaling step and the A/B arms
+SMALL=(-p "data.sources=[{kind: bundled, replies: 8}, {kind: self_instruct, limit: 4000}]")
+RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
+
+# the runs' small files: reports, manifests, curves, figures, eval results (no tensors, no checkpoints)
+pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
+  --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
+  --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* outputs/$RUN-x* \
+  outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
+  outputs/$SRUN-spool 2>/dev/null; }
+# a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
+free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
+step() { echo "$(date +%T) $*"; }
+second_gpu() { [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 1 || echo 0; }
+# eagle3 run on one GPU: $1 = GPU, $2 = log name, the rest = arguments; the log ends with the exit code and seconds
+# (LIMIT: its seconds, default 1800)
+run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$gpu timeout "${LIMIT:-1800}" python3 -m eagle3lib.cli run --config "$CONFIG" "$@" \
+    > "$RES/$name.log" 2>&1
+  echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
+
+# the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults,
+# benchmarks/results/generate_settings_h200_2026-11-29.json) as 1, 2
+# and 4 engines side by side on one GPU: does a small target's generation scale with engines (CPU-bound steps)?
+# 420 s a variant: four engines started one after another did not finish in 240 s (one cold start 105 s:
+# benchmarks/results/generate_engines_h200_2026-12-03.json)
+GEN_RECIPE='{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}'
+# shellcheck disable=SC2086 - ENGINES is a list of engine counts
+bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 1300 python3 benchmarks/generate.py --config "$CONFIG" \
+  --prompts 8192 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines ${ENGINES:-1 2 4} \
+  --timeout 420 --out "$RES/generate_engines_h200.json" > "$RES/bench_generate.log" 2>&1; }
+# random weights (a 16 GB checkpoint written once, loaded by each mode): the capture probe runs and is timed
+# (VLLM_MODES: which modes, default all three; prefill and one capture mode fit in ~6 minutes)
+bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/extract.py --backend vllm-all \
+  --modes "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" --multiprocess --timeout 240 --weights random \
+  --out "$RES/extract_vllm_h200.json" > "$RES/bench_vllm.log" 2>&1; }
+# $CONFIG's own data sources with $1 times every limit and every replies count above 1 (a source answered once stays
+# so), as one -p value: read from the config, not copied here (the replies caches are keyed by the sources' settings,
+# so a copy that drifted would generate everything again)
+scaled_sources() { echo "data.sources=$(python3 -c "import json, sys; from eagle3lib.config import load_config
+x = int(sys.argv[2])
+print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': s.limit * x} if s.limit else {}),
+                   'replies': s.replies * x if s.replies > 1 else 1} for s in load_config(sys.argv[1]).data.sources]))" "$CONFIG" "$1")"; }
+# a run's fork (eagle3lib.rundir.fork_run: hard links, no bytes copied): $1 = the run, $2 = the fork's name
+fork() { python3 -c "import sys; from eagle3lib.rundir import fork_run; fork_run(*sys.argv[1:])" "outputs/$1" "outputs/$2"; }
+has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
+small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
+# stages 05-06 of the small run in a fork: $1 = GPU, $2 = arm name (a | b), the rest = overrides
+small_arm() { local gpu=$1 arm=$2; shift 2; has_states "$SRUN" || return 0
+  fork "$SRUN" "$SRUN-$arm"
+  run_on "$gpu" "arm_$arm" --run "$SRUN-$arm" --stages 05-06 "${SMALL[@]}" -p "evaluate.methods=[embedded]" "$@"; }
+
+case "$phase" in
+copy)
+  mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ && ls -la /tmp/bundle && nvidia-smi -L
+  ;;
+install)
+  bash benchmarks/device/install.sh && exec bash benchmarks/device/driver.sh launch
+  ;;
+launch)
+  free_gpus
+  rm -rf "$RES" && mkdir -p "$RES"
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q\n' \
+    "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
+    "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
+    "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" > "$RES/plan.env"
+  setsid nohup bash benchmarks/device/driver.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
+  sleep 20; cat "$RES/plan.log"
+  ;;
+poll)
+  # no plan here = the machine was given back since `launch` (30 s idle, e.g. a gap between calls) and this is a new,
+  # bare one: say so at once instead of waiting WAIT seconds for nothing
+  [ -f "$RES/plan.env" ] || { echo "no plan on this machine (it is not the one launch ran on): copy and install again" >&2; exit 3; }
+  end=$(( $(date +%s) + ${WAIT:-540} ))
+  while :; do
+    cp "$RES"/*.json "$OUT"/ 2>/dev/null
+    tar czf "$OUT/logs.tgz" -C "$RES" --exclude='*.json' . 2>/dev/null
+    pack_runs "$OUT/runs.tgz"  # every minute: a call cut short (its timeout, the budget) keeps what the runs wrote
+    [ -f "$RES/DONE" ] || [ "$(date +%s)" -ge "$end" ] && break
+    for _ in 1 2 3 4 5 6; do [ -f "$RES/DONE" ] && break; sleep 10; done
+  done
+  pack_runs "$OUT/runs.tgz"; df -h /tmp | tail -n 1
+  # gen_data's replies caches (only once the plan is done or this is the last poll: FINAL=1; xz on every core)
+  caches=""; [[ " $STEPS " == *" gen_data "* ]] && caches=$(ls outputs/"$RUN"-x"${GEN_SCALE:-4}"/data/*_cache.jsonl 2>/dev/null)
+  if [ -n "$caches" ] && { [ -f "$RES/DONE" ] || [ "${FINAL:-0}" = 1 ]; }; then
+    rm -f "$OUT"/caches.txz.*
+    # shellcheck disable=SC2086 - one path per word
+    tar cf - $caches | xz -6 -T0 | split -b 15M - "$OUT/caches.txz."; ls -la "$OUT"/caches.txz.*
+  fi
+  cat "$RES/plan.log"; grep -h "done in\|exit\|rror" "$RES"/*.log | tail -n 12
+  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv
+  ;;
+plan)
+  source /tmp/eagle3-env.sh
+  lscpu > "$RES/lscpu.txt" 2>&1  # the host's CPU: the probe's head check and vLLM's scheduling run on it
+  # the config's target, converted once (an embedded GGUF), before two runs race: its seconds in convert.log
+  if [ "$STEPS" != vllm_extract ]; then  # vllm_extract writes its own random checkpoint
+    step "target of $CONFIG"; t=$(date +%s)
+    python3 -c "import sys; from eagle3lib.config import load_config; from eagle3lib.target import resolve_model_path
+print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/convert.log" 2>&1
+    echo "target ready after $(( $(date +%s) - t )) s" >> "$RES/convert.log"; tail -n 1 "$RES/convert.log"
+  fi
+  g1=$(second_gpu)
+  for s in $STEPS; do
+    case "$s" in
+    recipe)
+      if [ "$g1" = 0 ]; then  # one GPU (and one 64 GB disk): the recipe alone, its clock undisturbed
+        step "recipe (GPU 0)"
+        run_on 0 recipe --run "$RUN"
+      else
+        step "recipe (GPU 0) | EAGLE-1 style (GPU $g1)"
+        run_on 0 recipe --run "$RUN" &
+        run_on "$g1" eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[${EAGLE1_LAYER:-29}]" -p "evaluate.methods=[offline, embedded, vllm]" &
+        wait
+      fi
+      ;;
+    eagle1)
+      step "EAGLE-1 style (GPU 0): target.layer_ids=[${EAGLE1_LAYER:-29}]"
+      run_on 0 eagle1 --run "$RUN-eagle1" -p "target.layer_ids=[${EAGLE1_LAYER:-29}]" -p "evaluate.methods=[serve, ngram]"
+      ;;
+    curve)
+      has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 curve_base --run "$RUN" --stages 00-04; }
+      for f in ${CURVE:-0.25 0.5 1}; do
+        step "stage 05 at train.train_fraction=$f"
+        fork "$RUN" "$RUN-f$f"
+        run_on 0 "curve_$f" --run "$RUN-f$f" --stages 05 -p "train.train_fraction=$f"
+      done
+      ;;
+    modes)
+      # ARMS: which forks (default all three; a base without the offline arm runs stage 02 online: no full capture,
+      # no 34 GB of shards); MODES_SMALL=1: the small run's data (stage 02 in ~5 min) instead of the recipe's
+      mrun=$RUN; mdata=(); spool_fraction=0.5
+      if [ "${MODES_SMALL:-0}" = 1 ]; then mrun=$SRUN; mdata=("${SMALL[@]}"); spool_fraction=1; fi
+      arms=${ARMS:-offline online spool}
+      base_mode=offline; [[ " $arms " == *" offline "* ]] || base_mode=online
+      has_states "$mrun" || { step "stages 00, 01, 02, 04 of $mrun ($base_mode)"
+                              run_on 0 modes_base --run "$mrun" --stages 00-02,04 "${mdata[@]}" \
+                                -p train.hidden_states=$base_mode; }
+      for arm in $arms; do
+        step "stage 05, one epoch, hidden states $arm"
+        fork "$mrun" "$mrun-$arm"
+        case "$arm" in
+        offline) run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 05 "${mdata[@]}" -p train.epochs=1 ;;
+        online) run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 02,04,05 "${mdata[@]}" -p train.epochs=1 \
+          -p train.hidden_states=online ;;
+        # the producer's vLLM engine shares the GPU with the trainer (a third of it is plenty for a 135M target); on
+        # the recipe's data half the training rows (tokens/s is per token; the producer's engine start is then a
+        # larger share)
+        spool) LIMIT=480 run_on 0 "mode_$arm" --run "$mrun-$arm" --stages 02,04,05 "${mdata[@]}" -p train.epochs=1 \
+          -p train.train_fraction=$spool_fraction -p train.hidden_states=spool -p extract.backend=vllm \
+          -p extract.gpu_memory_utilization=0.3 ;;
+        esac
+        python3 benchmarks/hidden_state_modes.py --runs "outputs/$mrun" --out "$RES/online_$mrun.json" \
+          --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=modes ARMS='$arms', $CONFIG" \
+          > "$RES/modes.log" 2>&1
+      done
+      ;;
+    generate)
+      step "the generator: 1, 2 and 4 vLLM engines side by side on GPU 0"
+      bench_generate 0
+      ;;
+    gen_data)
+      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
+        -p "data.gen_engines=${GEN_ENGINES:-4}")
+      step "stages 00-02 of $grun online: ${x}x the recipe's data, ${GEN_ENGINES:-4} generator engines"
+      run_on 0 gen_data --run "$grun" --stages 00-02 "${gargs[@]}"
+      if ! grep -q "gen_data exit 0 " "$RES/gen_data.log"; then
+        free_gpus; step "stages 00-02 of $grun again with one generator engine (the cache keeps what was written)"
+        run_on 0 gen_data_1 --run "$grun" --stages 00-02 "${gargs[@]}" -p data.gen_engines=1
+      fi
+      ;;
+    curve_online)
+      # the data curve from gen_data's replies caches (committed under benchmarks/device/caches), unpacked: stages
+      # 00-02 online and 04 of the GEN_SCALE run (the self-instruct prompts all come from the cache; the distilled
+      # replies too when their key matches, which it has not since it changed on 2026-12-04), then stages 05 (one
+      # epoch, online) and 06 (embedded: held-out tau) on forks at train.train_fraction = each of CURVE (default
+      # "1": 4x the recipe's data; 0.5: a random half of the 4x rows = 2x; one validation split for all).
+      # gen_data's very settings (data.gen_engines included: the data section's hash is in stage 02's manifest, and
+      # a missed cache then generates on as many engines). Several forks run side by side on GPU 0 (how much they
+      # slow each other is not measured): their stage times are then those of runs sharing one GPU (say so in the
+      # result's note)
+      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
+        -p "data.gen_engines=${GEN_ENGINES:-4}")
+      [ -d "outputs/$grun/data" ] || xz -dc "benchmarks/device/caches/$grun.tar.xz" | tar x
+      has_states "$grun" || { step "stages 00-02, 04 of $grun online from the cached replies"
+                              run_on 0 curve_base --run "$grun" --stages 00-02,04 "${gargs[@]}"; }
+      for f in ${CURVE:-1}; do
+        step "stages 05-06 of $grun at train.train_fraction=$f, one epoch online (side by side)"
+        fork "$grun" "$grun-f$f"
+        run_on 0 "curve_$f" --run "$grun-f$f" --stages 05-06 "${gargs[@]}" -p "train.train_fraction=$f" \
+          -p train.epochs=1 -p "evaluate.methods=[embedded]" &
+      done
+      wait
+      ;;
+    fp8_ab)
+      # FP8 vs bf16 shards on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A
+      # ($RUN-fp8ab) = stages 00-06 with bf16 shards; arm B = benchmarks/fp8_ab.py's fork of it (stage 02 again from
+      # the cached replies with extract.fp8_shards=true, then 03-06) -> $RES/fp8_ab_<run>.json. The replies: the
+      # committed 4x caches unpacked into arm A's data/ first: every self-instruct request hits, no distilled reply
+      # (their key changed on 2026-12-04), so stage 02 distills all 21,984 replies (8,925 of them took 153 s on
+      # 2026-12-04). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an
+      # arm). With the copies and the target: ~1,330 s, most of a 30-minute device budget
+      arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")
+      if [ ! -d "outputs/$arun/data" ]; then
+        mkdir -p "outputs/$arun/data" /tmp/x4 && xz -dc "benchmarks/device/caches/$RUN-x4.tar.xz" | tar x -C /tmp/x4 \
+          && mv /tmp/x4/outputs/"$RUN"-x4/data/*_cache.jsonl "outputs/$arun/data/"
+      fi
+      step "FP8 A/B, arm A: $arun, stages 00-06 with bf16 shards, one epoch"
+      run_on 0 fp8ab_a --run "$arun" "${abargs[@]}"
+      step "FP8 A/B, arm B: the same rows in FP8 shards (benchmarks/fp8_ab.py)"
+      t=$(date +%s)
+      timeout 1500 python3 benchmarks/fp8_ab.py --config "$CONFIG" --run "$arun" "${abargs[@]}" \
+        --out "$RES/fp8_ab_$RUN.json" --note "benchmarks/device/driver.sh STEPS=fp8_ab with $CONFIG on $(nvidia-smi -L | head -n 1)" \
+        > "$RES/fp8ab_b.log" 2>&1
+      echo "fp8ab_b exit $? after $(( $(date +%s) - t )) s" >> "$RES/fp8ab_b.log"
+      ;;
+    vllm_extract)
+      step "vLLM prefill vs native and worker capture, random 8B checkpoint"
+      bench_vllm 0
+      ;;
+    benchmarks)
+      step "small run, generator settings, arm a (GPU 0) | vLLM prefill/native/worker, arm b: $AB_PARAMS (GPU $g1)"
+      ( small_run 0; bench_generate 0; step "arm a"; small_arm 0 a ) &
+      # shellcheck disable=SC2086 - AB_PARAMS is a list of -p KEY=VALUE words
+      ( bench_vllm "$g1"; for _ in $(seq 60); do has_states "$SRUN" && break; sleep 10; done
+        step "arm b"; small_arm "$g1" b $AB_PARAMS ) &
+      wait
+      ;;
+    scaling)
+      srun=$RUN; sdata=()
+      if ! has_states "$RUN"; then
+        srun=$SRUN; sdata=("${SMALL[@]}")
+        step "stages 00-04 for $srun"; small_run 0
+      fi
+      step "draft training, 1 vs 2 GPUs"
+      timeout 600 python3 benchmarks/scaling.py train --config "$CONFIG" --run "$srun" "${sdata[@]}" --gpus 2 \
+        --steps 200 --out "$RES/scaling_train_h200x2.json" > "$RES/scaling_train.log" 2>&1
+      # 256 rows reached 0.77 of 2x writing 1.4 GB/s of shards: in /dev/shm first (is it the scaling?), then on disk
+      step "extraction, 1 vs 2 GPUs, in /dev/shm"
+      timeout 300 python3 benchmarks/scaling.py extract --gpus 2 --rows 512 --workdir /dev/shm/eagle3-scaling \
+        --out "$RES/scaling_extract_shm_h200x2.json" > "$RES/scaling_extract_shm.log" 2>&1
+      rm -rf /dev/shm/eagle3-scaling
+      step "extraction, 1 vs 2 GPUs, on disk"
+      timeout 400 python3 benchmarks/scaling.py extract --gpus 2 --rows 1024 --out "$RES/scaling_extract_h200x2.json" \
+        > "$RES/scaling_extract.log" 2>&1
+      ;;
+    recipe_ab)
+      step "recipe (GPU 0) | generator settings, then the recipe's states trained with: $AB_PARAMS (GPU $g1)"
+      run_on 0 recipe --run "$RUN" &
+      ( bench_generate "$g1"
+        for _ in $(seq 120); do has_states "$RUN" && break; sleep 10; done
+        step "fork $RUN -> $RUN-b (stages 05-06 with $AB_PARAMS)"
+        fork "$RUN" "$RUN-b"
+        # shellcheck disable=SC2086 - AB_PARAMS is a list of -p KEY=VALUE words
+        run_on "$g1" b --run "$RUN-b" --stages 05-06 $AB_PARAMS -p "evaluate.methods=[offline, embedded]" ) &
+      wait
+      ;;
+    *) step "unknown step $s" ;;
+    esac
+  done
+  step done; touch "$RES/DONE"
+  ;;
+*)
+  echo "unknown phase $phase" >&2; exit 2
+  ;;
+esac
