@@ -29,7 +29,8 @@ GPU seconds (stages 02, 05, 06: the ones that hold the GPU), the hidden states' 
     python benchmarks/peers.py report --config C --run R --out benchmarks/results/peers_qwen15_h200.json \
         --note "date, commit, machine, command"
 
-`-p KEY=VALUE` overrides go to every arm's stage 06 (give the workbook arm the same). The `train` step can run
+`-p KEY=VALUE` overrides: the ones the workbook arm ran with (the forks' config must match its stages 00-04), and
+stage 06's, the same for every arm. The `train` step can run
 while the workbook arm trains (both on one GPU: the arms' training seconds are then each under that sharing).
 """
 
@@ -147,17 +148,17 @@ def register_draft(rd: Any, inp: Any, save_path: Path, records: dict[str, Any], 
                              metrics={k: v for k, v in result.items() if k not in ("checkpoint", "command")})
 
 
-def train_arm(config: str, run: str, epochs: int | None) -> Path:
+def train_arm(config: str, run: str, epochs: int | None, overrides: list[str] = ()) -> Path:
     """Fork the run and train speculators' CLI arm on it; returns the fork's folder."""
     from eagle3lib import shards
     from eagle3lib.config import load_run_config
     from eagle3lib.rundir import RunDir, fork_run, run_root
     from eagle3lib.train import inputs_from_run, resolve_settings
 
-    base_cfg = load_run_config(config, run)
+    base_cfg = load_run_config(config, run, overrides)
     fork = fork_name(run, epochs)
     dst = fork_run(run_root(base_cfg), run_root(base_cfg).parent / fork)
-    cfg = load_run_config(config, fork)
+    cfg = load_run_config(config, fork, overrides)
     rd = RunDir(dst, cfg)
     inp = inputs_from_run(rd)
     res = resolve_settings(cfg.train)
@@ -206,11 +207,12 @@ def arm_summary(run_dir: Path) -> dict[str, Any]:
             "disk_bytes": m02.get("bytes"), "command": result.get("command")}
 
 
-def report(config: str, run: str, epochs: list[int | None], out: Path, note: str) -> dict[str, Any]:
+def report(config: str, run: str, epochs: list[int | None], out: Path, note: str,
+           overrides: list[str] = ()) -> dict[str, Any]:
     from eagle3lib.config import load_run_config
     from eagle3lib.rundir import run_root
 
-    base = run_root(load_run_config(config, run))
+    base = run_root(load_run_config(config, run, overrides))
     arms: dict[str, Any] = {"workbook": arm_summary(base)}
     for e in epochs:
         fork = base.parent / fork_name(run, e)
@@ -219,7 +221,8 @@ def report(config: str, run: str, epochs: list[int | None], out: Path, note: str
     arms["specforge"] = {"skipped": SPECFORGE_SKIPPED}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    result = {"note": note, "commit": commit, "host": platform.node(), "config": config, "run": run, "arms": arms}
+    result = {"note": note, "commit": commit, "host": platform.node(), "config": config, "overrides": list(overrides),
+              "run": run, "arms": arms}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown_table(result) + "\n")
@@ -253,18 +256,19 @@ def main() -> int:
     ap.add_argument("--run", required=True, help="the workbook arm: a run with stages 00-04 done (00-06 for report)")
     ap.add_argument("--cli-epochs", type=int, nargs="*", default=[0],
                     help="speculators' CLI arm once per value (0 = the workbook's train.epochs)")
-    ap.add_argument("-p", dest="overrides", action="append", default=[], help="stage 06 overrides for the forks")
+    ap.add_argument("-p", dest="overrides", action="append", default=[],
+                    help="config overrides, as the workbook arm ran with (stage 06's included)")
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     ap.add_argument("--note", default="", help="date, commit, machine, command (kept in the JSON)")
     args = ap.parse_args()
     epochs = [e or None for e in args.cli_epochs]
     for e in epochs:
         if args.step == "train":
-            print("speculators_cli arm trained in", train_arm(args.config, args.run, e))
+            print("speculators_cli arm trained in", train_arm(args.config, args.run, e, args.overrides))
         elif args.step == "evaluate":
             evaluate_arm(args.config, fork_name(args.run, e), args.overrides)
     if args.step == "report":
-        result = report(args.config, args.run, epochs, Path(args.out), args.note)
+        result = report(args.config, args.run, epochs, Path(args.out), args.note, args.overrides)
         print(markdown_table(result))
     return 0
 

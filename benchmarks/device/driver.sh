@@ -76,7 +76,7 @@ pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
   --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* outputs/$RUN-x* \
   outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
-  outputs/$SRUN-spool 2>/dev/null; }
+  outputs/$SRUN-spool outputs/$RUN-speculators-cli* 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -151,6 +151,7 @@ poll)
   pack_runs "$OUT/runs.tgz"; df -h /tmp | tail -n 1
   # gen_data's replies caches (only once the plan is done or this is the last poll: FINAL=1; xz on every core)
   caches=""; [[ " $STEPS " == *" gen_data "* ]] && caches=$(ls outputs/"$RUN"-x"${GEN_SCALE:-4}"/data/*_cache.jsonl 2>/dev/null)
+  [[ " $STEPS " == *" peers "* ]] && caches=$(ls outputs/"$RUN"/data/*_cache.jsonl 2>/dev/null)
   if [ -n "$caches" ] && { [ -f "$RES/DONE" ] || [ "${FINAL:-0}" = 1 ]; }; then
     rm -f "$OUT"/caches.txz.*
     # shellcheck disable=SC2086 - one path per word
@@ -250,7 +251,8 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # result's note)
       x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
         -p "data.gen_engines=${GEN_ENGINES:-4}")
-      [ -d "outputs/$grun/data" ] || xz -dc "benchmarks/device/caches/$grun.tar.xz" | tar x
+      c="benchmarks/device/caches/$grun.tar.xz"  # without one, stage 02 generates every reply
+      [ -d "outputs/$grun/data" ] || [ ! -f "$c" ] || xz -dc "$c" | tar x
       has_states "$grun" || { step "stages 00-02, 04 of $grun online from the cached replies"
                               run_on 0 curve_base --run "$grun" --stages 00-02,04 "${gargs[@]}"; }
       for f in ${CURVE:-1}; do
@@ -261,6 +263,36 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       done
       wait
       ;;
+    peers)
+      # the workbook beside speculators' own CLI on the recipe's conversations (benchmarks/peers.py): stages 00-04 of
+      # $RUN (generation on PEER_GEN_ENGINES engines, default 2; once more on one if that fails: the replies cache
+      # keeps what was written), then the workbook's stage 05 and `speculators train` (its defaults, the workbook's
+      # epochs) on a fork, side by side on GPU 0, then stage 06 of each with serve_concurrency [1], one after the
+      # other (the serve step's timings undisturbed) -> $RES/peers_$RUN.json (+ .md)
+      pe=(-p "evaluate.serve_concurrency=[1]"); pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
+      if ! has_states "$RUN"; then
+        step "stages 00-04 of $RUN (${PEER_GEN_ENGINES:-2} generator engines)"
+        run_on 0 peers_base --run "$RUN" --stages 00-04 "${pg[@]}"
+        if ! has_states "$RUN"; then
+          free_gpus; pg=(-p data.gen_engines=1); step "stages 00-04 of $RUN again with one generator engine"
+          run_on 0 peers_base_1 --run "$RUN" --stages 00-04 "${pg[@]}"
+        fi
+      fi
+      step "stage 05: the workbook | speculators train on a fork (side by side on GPU 0)"
+      run_on 0 peers_workbook_05 --run "$RUN" --stages 05 "${pg[@]}" &
+      ( t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/peers.py train --config "$CONFIG" \
+          --run "$RUN" > "$RES/peers_train.log" 2>&1
+        echo "peers_train exit $? after $(( $(date +%s) - t )) s" >> "$RES/peers_train.log" ) &
+      wait
+      step "stage 06: the workbook, then speculators' CLI arm"
+      run_on 0 peers_workbook_06 --run "$RUN" --stages 06 "${pg[@]}" "${pe[@]}"
+      t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 900 python3 benchmarks/peers.py evaluate --config "$CONFIG" \
+        --run "$RUN" "${pg[@]}" "${pe[@]}" > "$RES/peers_eval.log" 2>&1
+      echo "peers_eval exit $? after $(( $(date +%s) - t )) s" >> "$RES/peers_eval.log"
+      python3 benchmarks/peers.py report --config "$CONFIG" --run "$RUN" "${pg[@]}" --out "$RES/peers_$RUN.json" \
+        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers, $CONFIG ${pg[*]} ${pe[*]}" \
+        > "$RES/peers_report.log" 2>&1
+      ;;
     fp8_ab)
       # FP8 vs bf16 shards on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A
       # ($RUN-fp8ab) = stages 00-06 with bf16 shards; arm B = benchmarks/fp8_ab.py's fork of it (stage 02 again from
@@ -270,7 +302,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # 2026-12-04). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an
       # arm). With the copies and the target: ~1,330 s, most of a 30-minute device budget
       arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")
-      if [ ! -d "outputs/$arun/data" ]; then
+      if [ ! -d "outputs/$arun/data" ] && [ -f "benchmarks/device/caches/$RUN-x4.tar.xz" ]; then
         mkdir -p "outputs/$arun/data" /tmp/x4 && xz -dc "benchmarks/device/caches/$RUN-x4.tar.xz" | tar x -C /tmp/x4 \
           && mv /tmp/x4/outputs/"$RUN"-x4/data/*_cache.jsonl "outputs/$arun/data/"
       fi
