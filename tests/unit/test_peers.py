@@ -1,5 +1,5 @@
 """benchmarks/peers.py's speculators-CLI arm on the CPU: speculators' own `speculators train` (its CLI, its
-defaults) trains on the workbook's shards of a forked run, its draft becomes the fork's stage 05, stage 06's inputs
+defaults) trains on the workbook's FP8 shards of a forked run (through speculators' fp8 hidden-states backend), its draft becomes the fork's stage 05, stage 06's inputs
 find it, and the harness's JSON reads the arm back."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_run, monkeypatch, tmp_path):
+def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_root, monkeypatch, tmp_path):
     from speculators.train.config import TrainConfig
 
     from eagle3lib import evaluate, train, verifier
@@ -26,7 +26,9 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_run, monkeypatc
     sys.path.insert(0, str(REPO / "benchmarks"))
     import peers
 
-    cfg, rd = tiny_run
+    from tests.conftest import make_tiny_run
+
+    cfg, rd = make_tiny_run(out_root, tiny_llama_dir, fp8=True)  # FP8 shards: speculators' fp8 backend reads them
     stage04 = StageRun(get_stage("04"), cfg, rd)
     stage04.finish(verifier.run(stage04, check_speculators=False))
     config = tmp_path / "tiny.yaml"
@@ -39,7 +41,7 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_run, monkeypatc
     flat = TrainConfig.resolve(["--config", str(fork / "draft" / "checkpoints" / "run.yaml")]).flatten()
     assert (flat["optimizer"], flat["lr"], flat["seed"], flat["epochs"]) == ("muon", 1e-3, 42, 2)
     assert flat["train_data_ratio"] == pytest.approx(train.inputs_from_run(frd).train_ratio)
-    assert flat["data_path"] == str(frd.output("02", "dataset"))
+    assert flat["data_path"] == str(frd.output("02", "dataset")) and flat["hidden_states_backend"] == "fp8"
     # its draft is the fork's stage 05: reloadable, with speculators' own validation metrics
     m05 = frd.read_manifest("05")
     ckpt = frd.output("05", "checkpoint")
