@@ -23,14 +23,15 @@ Per arm: tau on the held-out prompts and on MT-Bench (stage 06, serve method: th
 validation EAL (speculators' own validation metrics on the same validation rows), training tokens, stage seconds,
 GPU seconds (stages 02, 05, 06: the ones that hold the GPU), the hidden states' bytes on disk.
 
-    eagle3 run --config C --run R                                    # the workbook arm: stages 00-06
-    python benchmarks/peers.py train --config C --run R              # speculators' CLI on a fork (R-speculators-cli)
-    python benchmarks/peers.py evaluate --config C --run R           # stage 06 on each fork
-    python benchmarks/peers.py report --config C --run R --out benchmarks/results/peers_qwen15_h200.json \
+    eagle3 run --config C --run R                                  # the workbook arm: stages 00-06
+    python benchmarks/peers.py train --run-dir outputs/R           # speculators' CLI on a fork (R-speculators-cli)
+    python benchmarks/peers.py evaluate --run-dir outputs/R        # stage 06 on each fork
+    python benchmarks/peers.py report --run-dir outputs/R --out benchmarks/results/peers_qwen15_h200.json \
         --note "date, commit, machine, command"
 
-`-p KEY=VALUE` overrides: the ones the workbook arm ran with (the forks' config must match its stages 00-04), and
-stage 06's, the same for every arm. The `train` step can run
+A fork runs with the workbook arm's own resolved config (its run folder's config.yaml: whatever overrides its
+stages ran with), so the fork's stages 00-04 are valid as they are; `-p KEY=VALUE` overrides go to each fork's stage
+06 (give the workbook arm's stage 06 the same). The `train` step can run
 while the workbook arm trains (both on one GPU: the arms' training seconds are then each under that sharing).
 """
 
@@ -148,17 +149,21 @@ def register_draft(rd: Any, inp: Any, save_path: Path, records: dict[str, Any], 
                              metrics={k: v for k, v in result.items() if k not in ("checkpoint", "command")})
 
 
-def train_arm(config: str, run: str, epochs: int | None, overrides: list[str] = ()) -> Path:
-    """Fork the run and train speculators' CLI arm on it; returns the fork's folder."""
+def fork_config(fork: Path) -> Path:
+    """The config a fork runs with: the one its base run's stages ran with (copied by fork_run)."""
+    return fork / "config.yaml"
+
+
+def train_arm(base: Path, epochs: int | None) -> Path:
+    """Fork the run folder `base` and train speculators' CLI arm on it; returns the fork's folder."""
     from eagle3lib import shards
     from eagle3lib.config import load_run_config
-    from eagle3lib.rundir import RunDir, fork_run, run_root
+    from eagle3lib.rundir import RunDir, fork_run
     from eagle3lib.train import inputs_from_run, resolve_settings
 
-    base_cfg = load_run_config(config, run, overrides)
-    fork = fork_name(run, epochs)
-    dst = fork_run(run_root(base_cfg), run_root(base_cfg).parent / fork)
-    cfg = load_run_config(config, fork, overrides)
+    base = Path(base).resolve()
+    dst = fork_run(base, base.parent / fork_name(base.name, epochs))
+    cfg = load_run_config(fork_config(dst), dst.name)
     rd = RunDir(dst, cfg)
     inp = inputs_from_run(rd)
     res = resolve_settings(cfg.train)
@@ -179,17 +184,22 @@ def train_arm(config: str, run: str, epochs: int | None, overrides: list[str] = 
     return dst
 
 
-def evaluate_arm(config: str, fork: str, overrides: list[str]) -> None:
-    cmd = [sys.executable, "-m", "eagle3lib.cli", "run", "--config", config, "--run", fork, "--stages", "06",
-           *[x for o in overrides for x in ("-p", o)]]
+def evaluate_arm(fork: Path, overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "eagle3lib.cli", "run", "--config", str(fork_config(fork)), "--run", fork.name,
+           "--stages", "06", *[x for o in overrides for x in ("-p", o)]]
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
 def arm_summary(run_dir: Path) -> dict[str, Any]:
-    """One arm's figures, from its manifests and files."""
+    """One arm's figures, from its manifests and files; a fork without a draft says where its log is."""
     from eagle3lib.evaluate.report import read_manifests
 
     ms = read_manifests(run_dir)
+    if "05" not in ms:
+        log = run_dir / "draft" / "speculators_train.log"
+        return {"run": run_dir.name, "failed": "no draft: stage 05 did not finish" + (
+            f" (last line of {log.name}: {log.read_text().strip().splitlines()[-1][:300]})"
+            if log.is_file() and log.read_text().strip() else "")}
     m02, m05, m06 = (ms.get(s, {}).get("metrics", {}) for s in ("02", "05", "06"))
     result = json.loads((run_dir / "draft" / "result.json").read_text()) if (run_dir / "draft" / "result.json").is_file() else {}
     serve = "vllm serve"
@@ -207,22 +217,17 @@ def arm_summary(run_dir: Path) -> dict[str, Any]:
             "disk_bytes": m02.get("bytes"), "command": result.get("command")}
 
 
-def report(config: str, run: str, epochs: list[int | None], out: Path, note: str,
-           overrides: list[str] = ()) -> dict[str, Any]:
-    from eagle3lib.config import load_run_config
-    from eagle3lib.rundir import run_root
-
-    base = run_root(load_run_config(config, run, overrides))
+def report(base: Path, epochs: list[int | None], out: Path, note: str) -> dict[str, Any]:
+    base = Path(base).resolve()
     arms: dict[str, Any] = {"workbook": arm_summary(base)}
     for e in epochs:
-        fork = base.parent / fork_name(run, e)
+        fork = base.parent / fork_name(base.name, e)
         if fork.is_dir():
             arms[CLI_ARM + (f"_e{e}" if e else "")] = arm_summary(fork)
     arms["specforge"] = {"skipped": SPECFORGE_SKIPPED}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    result = {"note": note, "commit": commit, "host": platform.node(), "config": config, "overrides": list(overrides),
-              "run": run, "arms": arms}
+    result = {"note": note, "commit": commit, "host": platform.node(), "run": base.name, "arms": arms}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown_table(result) + "\n")
@@ -234,8 +239,9 @@ def markdown_table(result: dict[str, Any]) -> str:
             "gpu_seconds", "disk_bytes")
     lines = ["| arm | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, arm in result["arms"].items():
-        if "skipped" in arm:
-            lines.append(f"| {name} | " + " | ".join(["skipped"] + [""] * (len(cols) - 1)) + " |")
+        if "skipped" in arm or "failed" in arm:
+            lines.append(f"| {name} | " + " | ".join(["skipped" if "skipped" in arm else "failed"]
+                                                     + [""] * (len(cols) - 1)) + " |")
             continue
         cells = []
         for c in cols:
@@ -252,23 +258,23 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=("train", "evaluate", "report"))
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--run", required=True, help="the workbook arm: a run with stages 00-04 done (00-06 for report)")
+    ap.add_argument("--run-dir", required=True, type=Path,
+                    help="the workbook arm's run folder: stages 00-04 done (00-06 for report)")
     ap.add_argument("--cli-epochs", type=int, nargs="*", default=[0],
                     help="speculators' CLI arm once per value (0 = the workbook's train.epochs)")
-    ap.add_argument("-p", dest="overrides", action="append", default=[],
-                    help="config overrides, as the workbook arm ran with (stage 06's included)")
+    ap.add_argument("-p", dest="overrides", action="append", default=[], help="stage 06 overrides for the forks")
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     ap.add_argument("--note", default="", help="date, commit, machine, command (kept in the JSON)")
     args = ap.parse_args()
     epochs = [e or None for e in args.cli_epochs]
     for e in epochs:
         if args.step == "train":
-            print("speculators_cli arm trained in", train_arm(args.config, args.run, e, args.overrides))
+            print("speculators_cli arm trained in", train_arm(args.run_dir, e))
         elif args.step == "evaluate":
-            evaluate_arm(args.config, fork_name(args.run, e), args.overrides)
+            base = args.run_dir.resolve()
+            evaluate_arm(base.parent / fork_name(base.name, e), args.overrides)
     if args.step == "report":
-        result = report(args.config, args.run, epochs, Path(args.out), args.note, args.overrides)
+        result = report(args.run_dir, epochs, Path(args.out), args.note)
         print(markdown_table(result))
     return 0
 

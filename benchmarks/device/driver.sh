@@ -265,11 +265,14 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       ;;
     peers)
       # the workbook beside speculators' own CLI on the recipe's conversations (benchmarks/peers.py): stages 00-04 of
-      # $RUN (generation on PEER_GEN_ENGINES engines, default 2; once more on one if that fails: the replies cache
-      # keeps what was written), then the workbook's stage 05 and `speculators train` (its defaults, the workbook's
+      # $RUN (its replies from benchmarks/device/caches/$RUN.tar.xz where that exists; else generated on
+      # PEER_GEN_ENGINES engines, default 2, and once more on one if that fails: the cache keeps what was written),
+      # then the workbook's stage 05 and `speculators train` (its defaults, the workbook's
       # epochs) on a fork, side by side on GPU 0, then stage 06 of each with serve_concurrency [1], one after the
       # other (the serve step's timings undisturbed) -> $RES/peers_$RUN.json (+ .md)
       pe=(-p "evaluate.serve_concurrency=[1]"); pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
+      c="benchmarks/device/caches/$RUN.tar.xz"
+      [ -d "outputs/$RUN/data" ] || [ ! -f "$c" ] || { step "replies from $c"; xz -dc "$c" | tar x; }
       if ! has_states "$RUN"; then
         step "stages 00-04 of $RUN (${PEER_GEN_ENGINES:-2} generator engines)"
         run_on 0 peers_base --run "$RUN" --stages 00-04 "${pg[@]}"
@@ -280,16 +283,16 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       fi
       step "stage 05: the workbook | speculators train on a fork (side by side on GPU 0)"
       run_on 0 peers_workbook_05 --run "$RUN" --stages 05 "${pg[@]}" &
-      ( t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/peers.py train --config "$CONFIG" \
-          --run "$RUN" > "$RES/peers_train.log" 2>&1
+      ( t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/peers.py train --run-dir "outputs/$RUN" \
+          > "$RES/peers_train.log" 2>&1
         echo "peers_train exit $? after $(( $(date +%s) - t )) s" >> "$RES/peers_train.log" ) &
       wait
       step "stage 06: the workbook, then speculators' CLI arm"
       run_on 0 peers_workbook_06 --run "$RUN" --stages 06 "${pg[@]}" "${pe[@]}"
-      t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 900 python3 benchmarks/peers.py evaluate --config "$CONFIG" \
-        --run "$RUN" "${pg[@]}" "${pe[@]}" > "$RES/peers_eval.log" 2>&1
+      t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 900 python3 benchmarks/peers.py evaluate --run-dir "outputs/$RUN" \
+        "${pe[@]}" > "$RES/peers_eval.log" 2>&1
       echo "peers_eval exit $? after $(( $(date +%s) - t )) s" >> "$RES/peers_eval.log"
-      python3 benchmarks/peers.py report --config "$CONFIG" --run "$RUN" "${pg[@]}" --out "$RES/peers_$RUN.json" \
+      python3 benchmarks/peers.py report --run-dir "outputs/$RUN" --out "$RES/peers_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers, $CONFIG ${pg[*]} ${pe[*]}" \
         > "$RES/peers_report.log" 2>&1
       ;;

@@ -31,12 +31,10 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     cfg, rd = make_tiny_run(out_root, tiny_llama_dir, fp8=True)  # FP8 shards: speculators' fp8 backend reads them
     stage04 = StageRun(get_stage("04"), cfg, rd)
     stage04.finish(verifier.run(stage04, check_speculators=False))
-    config = tmp_path / "tiny.yaml"
-    config.write_text(cfg.to_yaml())
     monkeypatch.chdir(REPO)
 
-    fork = peers.train_arm(str(config), cfg.run.name, epochs=2)
-    frd = RunDir(fork, load_config(config, [f"run.name={fork.name}"]))
+    fork = peers.train_arm(rd.root, epochs=2)  # the fork runs with the run's own config.yaml
+    frd = RunDir(fork, load_config(fork / "config.yaml", [f"run.name={fork.name}"]))
     # speculators' defaults, not the workbook's: its optimizer (muon), its learning rate and seed; the run's rows
     flat = TrainConfig.resolve(["--config", str(fork / "draft" / "checkpoints" / "run.yaml")]).flatten()
     assert (flat["optimizer"], flat["lr"], flat["seed"], flat["epochs"]) == ("muon", 1e-3, 42, 2)
@@ -54,8 +52,14 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     assert not rd.path("draft").exists()
 
     out = tmp_path / "peers.json"
-    result = peers.report(str(config), cfg.run.name, [2], out, "tiny CPU check")
+    result = peers.report(rd.root, [2, 5], out, "tiny CPU check")
     arm = result["arms"]["speculators_cli_e2"]
     assert arm["val_eal"] == m05["metrics"]["val_eal"] and arm["train_tokens"] > 0
     assert "skipped" in result["arms"]["specforge"] and json.loads(out.read_text())["arms"].keys() == result["arms"].keys()
+    assert "speculators_cli_e5" not in result["arms"]  # never trained: no fork
+    # a fork whose training failed is reported as failed, with its log's last line
+    (fork / "manifests" / "05_train_draft.json").unlink()
+    (fork / "draft" / "speculators_train.log").write_text("...\nValueError: what went wrong\n")
+    failed = peers.report(rd.root, [2], out, "tiny CPU check")["arms"]["speculators_cli_e2"]
+    assert "failed" in failed and "ValueError: what went wrong" in failed["failed"]
     assert out.with_suffix(".md").read_text().count("\n") == len(result["arms"]) + 2  # header, rule, one row each
