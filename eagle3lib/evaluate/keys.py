@@ -23,3 +23,5 @@ LIVE = (EMBEDDED, VLLM)  # the methods with a speed section: target alone vs wit
 BENCH_PATH = "offline (decoder path)"
 BENCH_ALL = "offline (all starts)"
 HELD_OUT = "held-out split"  # the report's row for stage 02's held-out prompts beside the benchmarks
+# results["serve"]["recommended_settings"]: a concurrency level where no serving setting beats the target alone
+NO_DRAFT = "no draft"

@@ -3,8 +3,8 @@
 Why a separate module: it reads every manifest the run wrote (tolerating the optional ones that are missing, e.g.
 a run that skipped stage 03) and stage 06's results, and it must not fail a run because one number is absent.
 It reports what each stage recorded, never recomputes it: target, data, layer ids, extraction throughput, the
-training curves' summary, tau by method, the serving speedup (opening the card when the serve step ran: see
-serve_report), versions and the wall time of every stage.
+training curves' summary, tau by method, the serve step's verdict and serving speedup (opening the card when the
+serve step ran: see serve_report), versions and the wall time of every stage.
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ def _demo_scale_note(man: dict[str, dict[str, Any]]) -> list[str]:
             f"({_fmt(m02.get('tokens'))} tokens). It shows that every stage runs and checks itself end to end, not "
             "what a draft can do: expect τ near 1 and no speedup at this scale (acceptance grows with the data; the "
             "GPU recipes train on ~7M tokens and reach τ 1.5-2.4 in vLLM). The GPU recipes' report cards are "
-            f"committed under `{serve_report.GPU_CARDS}` (`recipe_h200*_report.md`, "
-            "`recipe_qwen15_h200*_report.md`).",
+            f"committed under `{serve_report.GPU_CARDS}` (`recipe_*_report.md`; every result by date: "
+            "docs/results.md).",
             ""]
 
 
@@ -222,7 +222,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     o02 = man.get("02", {}).get("outputs", {})
     latest = max(man.values(), key=lambda m: m.get("finished_at", "")) if man else {}
     out: list[str] = [f"# Report card: run `{rd.cfg.run.name}`", ""]
-    out += serve_report.headline((results or {}).get("serve"))  # first: does the draft make a server faster
+    out += serve_report.headline((results or {}).get("serve"))  # first: the verdict, serve this draft or not
     out += _demo_scale_note(man)
     out.append(f"Written {datetime.now(UTC).isoformat(timespec='seconds')} · git {latest.get('git_sha') or '—'} · "
                f"host {latest.get('host') or '—'} · folder `{rd.root}`")
@@ -463,7 +463,7 @@ def compare_runs(roots: list[Path]) -> str:
                  f"{', else '.join(f'`{m}`' for m in COMPARE_LIVE[1:])} (rows read: {'; '.join(used)}).")
     if levels:
         note += (" ×c=N = output tokens/s with the draft ÷ without it, `vllm serve` at concurrency N "
-                 "(the serve step's sweep).")
+                 "(the serve step's sweep; at that level's best setting of evaluate.serve_grid).")
     out = [_table(header, rows + ([ngram] if ngram else [])), "", note]
     cats = _category_lines(roots, runs)
     return "\n".join(out + ([""] + cats if cats else []))

