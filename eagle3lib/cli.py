@@ -24,7 +24,7 @@ from eagle3lib.stages import ALL_STAGES, NOTEBOOK_DIR, available_stages
 def _interrupt_on_sigterm() -> None:
     """SIGTERM (`timeout`, a job scheduler, `kill`) ends a run like Ctrl-C: the notebook's kernel is shut down with
     its whole process group. Python's default SIGTERM exit skips that, and a vLLM engine the kernel had spawned
-    lived on holding 120 GiB of an H200 (seen in a device session)."""
+    lived on holding 120 GiB of an H200."""
     def handler(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
