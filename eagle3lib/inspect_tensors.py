@@ -1,4 +1,5 @@
-"""Stage 03 (notebooks/03_inspect_tensors.ipynb): validate every hidden-state shard on disk and summarise what the layer slots hold, before training.
+"""Stage 03 (notebooks/03_inspect_tensors.ipynb): validate every hidden-state shard on disk and summarise what the
+layer slots hold, before training.
 
 "It ran without errors" is not "it produced correct output". This module reads stage 02's shards once, in a
 streaming pass (one shard in memory at a time, long shards in token chunks), and
@@ -7,10 +8,9 @@ streaming pass (one shard in memory at a time, long shards in token chunks), and
   the dataset row, finite values (all via `eagle3lib.shards`, the same checks the writer ran), plus what only a look
   at the values shows: no all-zero layer slot, no two identical slots (how a wrong layer index usually shows), and
   lengths matching the row's `seq_len`;
-- accumulates statistics per layer slot with mergeable running moments (Chan et al.'s parallel update of
-  count/mean/M2): norms, per-dimension mean/std, max |value| and outlier dimensions, cosine similarity between slots,
-  and norm against token position (power-of-two buckets). Mergeable means two halves merged give the numbers of one
-  pass, so the result does not depend on chunking, and sharding the pass over workers later changes nothing.
+- accumulates statistics per layer slot with mergeable running moments (eagle3lib.inspect_stats): norms,
+  per-dimension mean/std, max |value| and outlier dimensions, cosine similarity between slots, and norm against
+  token position; the figures are drawn from them (eagle3lib.inspect_figures).
 
 Sampled mode (`inspect.sample_shards`) computes the statistics on a seeded random subset and says so in the report;
 validation always covers every shard. Online and spool modes (`train.hidden_states`): stage 02 wrote shards for its
@@ -20,7 +20,6 @@ sample rows only (`shards.shard_rows`), so validation and statistics cover those
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,15 +29,24 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import atomic, plots, shards
+from eagle3lib import atomic, shards
 from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import StageResult, StageRun
 
-CHUNK_TOKENS = 512  # tokens converted to float64 at once: bounds memory for long shards and wide models
-HIST_LOG10 = (-4.0, 7.0)  # norm histogram range (log10), fixed so histograms of two halves add up exactly
-HIST_BINS = 440  # 40 bins per decade; plus an underflow bin (zero norms) and an overflow bin
-POS_BUCKETS = 40  # bucket 0 = position 0, bucket k = positions [2^(k-1), 2^k)
-TOP_OUTLIERS = 8
+# The statistics and the figures live in their own modules; their names stay importable from here.
+from eagle3lib.inspect_figures import FIGURES as FIGURES
+from eagle3lib.inspect_figures import fig_cos_heatmap as fig_cos_heatmap
+from eagle3lib.inspect_figures import fig_dim_std as fig_dim_std
+from eagle3lib.inspect_figures import fig_example_heatmap as fig_example_heatmap
+from eagle3lib.inspect_figures import fig_norm_by_position as fig_norm_by_position
+from eagle3lib.inspect_figures import fig_norm_hist as fig_norm_hist
+from eagle3lib.inspect_figures import load_example as load_example
+from eagle3lib.inspect_figures import make_figure as make_figure
+from eagle3lib.inspect_stats import CHUNK_TOKENS as CHUNK_TOKENS
+from eagle3lib.inspect_stats import Moments as Moments
+from eagle3lib.inspect_stats import SlotStats as SlotStats
+from eagle3lib.inspect_stats import bucket_label as bucket_label
+from eagle3lib.inspect_stats import position_bucket as position_bucket
+from eagle3lib.rundir import StageResult, StageRun
 
 # how a problem string is counted in the report (first match wins)
 _KINDS = (
@@ -109,7 +117,8 @@ def check_shard(path: Path, row_ids: list[int] | torch.Tensor, seq_len: int | No
     as `shards.check_shard_file` and the tensor checks are `shards.problems` itself. The tensor comes back only
     when the shard is valid and `need_states`. An FP8 shard whose states are not needed is checked as stored
     (`shards.fp8_value_problems`; slots compared byte for byte, exact since a token's scale is shared by its
-    slots): the same verdict without dequantizing 39 GB (the 1.5B recipe's stage 03 took 161 s so, session 8).
+    slots): the same verdict without dequantizing 39 GB (on the 1.5B recipe's shards, stage 03 took 161 s
+    that way).
     """
     if not path.is_file():
         return ["missing"], None
@@ -181,168 +190,6 @@ def require_valid(validation: Validation, first: int = 5) -> None:
         "rerun stage 02 for this run (eagle3 run --config <config> --run <run> --stages 02): it resumes and redoes "
         "invalid shards; inspect/report.json lists every problem",
     )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# mergeable statistics
-
-
-@dataclass
-class Moments:
-    """Running count/mean/M2 of any shape (float64), merged with Chan et al.'s parallel formula."""
-
-    count: torch.Tensor
-    mean: torch.Tensor
-    m2: torch.Tensor
-
-    @classmethod
-    def zeros(cls, *shape: int) -> Moments:
-        z = torch.zeros(shape, dtype=torch.float64)
-        return cls(z.clone(), z.clone(), z.clone())
-
-    @classmethod
-    def of(cls, x: torch.Tensor) -> Moments:
-        """Moments over dim 0 of a float64 batch."""
-        mean = x.mean(0)
-        return cls(torch.full_like(mean, x.shape[0]), mean, ((x - mean) ** 2).sum(0))
-
-    @classmethod
-    def of_groups(cls, x: torch.Tensor, group: torch.Tensor, n_groups: int) -> Moments:
-        """Moments of the rows of x [N, ...] per group id (group [N] long): shape [n_groups, ...]."""
-        shape = (n_groups, *x.shape[1:])
-        count = torch.zeros(shape, dtype=torch.float64).index_add_(0, group, torch.ones_like(x))
-        mean = torch.zeros(shape, dtype=torch.float64).index_add_(0, group, x) / count.clamp_min(1)
-        m2 = torch.zeros(shape, dtype=torch.float64).index_add_(0, group, (x - mean[group]) ** 2)
-        return cls(count, mean, m2)
-
-    def merge(self, other: Moments) -> Moments:
-        n = self.count + other.count
-        safe = n.clamp_min(1)
-        delta = other.mean - self.mean
-        return Moments(n, self.mean + delta * (other.count / safe),
-                       self.m2 + other.m2 + delta**2 * self.count * other.count / safe)
-
-    @property
-    def std(self) -> torch.Tensor:
-        """Population standard deviation (0 where nothing was counted)."""
-        return (self.m2 / self.count.clamp_min(1)).sqrt()
-
-
-def position_bucket(pos: torch.Tensor) -> torch.Tensor:
-    """0 for position 0, k for positions [2^(k-1), 2^k): the first tokens (attention sinks) stay visible."""
-    b = torch.zeros_like(pos)
-    nz = pos > 0
-    b[nz] = torch.floor(torch.log2(pos[nz].double())).long() + 1
-    return b.clamp_max(POS_BUCKETS - 1)
-
-
-def bucket_label(k: int) -> str:
-    if k == 0:
-        return "0"
-    lo, hi = 2 ** (k - 1), 2**k - 1
-    return f"{lo}" if lo == hi else f"{lo}-{hi}"
-
-
-@dataclass
-class SlotStats:
-    """Everything stage 03 reports per layer slot, as mergeable accumulators. Add shards with `update`."""
-
-    n_slots: int
-    hidden_size: int
-    shards: int = 0
-    tokens: int = 0
-    norm: Moments = None  # type: ignore[assignment]  # [S] token L2 norms
-    dim: Moments = None  # type: ignore[assignment]  # [S, H] per-dimension values
-    max_abs: torch.Tensor = None  # type: ignore[assignment]  # [S, H]
-    cos: Moments = None  # type: ignore[assignment]  # [S, S] per-token cosine between slots
-    pos: Moments = None  # type: ignore[assignment]  # [POS_BUCKETS, S] norms by position bucket
-    hist: torch.Tensor = None  # type: ignore[assignment]  # [S, HIST_BINS + 2] norm histogram (log10 bins)
-
-    def __post_init__(self) -> None:
-        s, h = self.n_slots, self.hidden_size
-        self.norm = Moments.zeros(s) if self.norm is None else self.norm
-        self.dim = Moments.zeros(s, h) if self.dim is None else self.dim
-        self.max_abs = torch.zeros(s, h, dtype=torch.float64) if self.max_abs is None else self.max_abs
-        self.cos = Moments.zeros(s, s) if self.cos is None else self.cos
-        self.pos = Moments.zeros(POS_BUCKETS, s) if self.pos is None else self.pos
-        self.hist = torch.zeros(s, HIST_BINS + 2, dtype=torch.int64) if self.hist is None else self.hist
-
-    def update(self, hidden_states: torch.Tensor) -> None:
-        """Add one shard [T, S, H] (any float dtype), in chunks of CHUNK_TOKENS tokens."""
-        edges = torch.linspace(*HIST_LOG10, HIST_BINS + 1, dtype=torch.float64)
-        for start in range(0, hidden_states.shape[0], CHUNK_TOKENS):
-            x = hidden_states[start:start + CHUNK_TOKENS].to(torch.float64)
-            norms = x.norm(dim=-1)  # [t, S]
-            self.norm = self.norm.merge(Moments.of(norms))
-            self.dim = self.dim.merge(Moments.of(x))
-            self.max_abs = torch.maximum(self.max_abs, x.abs().amax(0))
-            unit = x / norms.clamp_min(1e-30).unsqueeze(-1)
-            self.cos = self.cos.merge(Moments.of(torch.einsum("tah,tbh->tab", unit, unit)))
-            buckets = position_bucket(torch.arange(start, start + x.shape[0]))
-            self.pos = self.pos.merge(Moments.of_groups(norms, buckets, POS_BUCKETS))
-            idx = torch.bucketize(norms.log10(), edges, right=True)  # 0 = below range (incl. zero), last = above
-            for s in range(self.n_slots):
-                self.hist[s] += torch.bincount(idx[:, s], minlength=HIST_BINS + 2)
-            self.tokens += x.shape[0]
-        self.shards += 1
-
-    def merge(self, other: SlotStats) -> SlotStats:
-        """The statistics of both inputs together, as if they had been one pass."""
-        return SlotStats(self.n_slots, self.hidden_size, self.shards + other.shards, self.tokens + other.tokens,
-                         self.norm.merge(other.norm), self.dim.merge(other.dim),
-                         torch.maximum(self.max_abs, other.max_abs), self.cos.merge(other.cos),
-                         self.pos.merge(other.pos), self.hist + other.hist)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Flat tensors (for stats.safetensors and for comparing two passes)."""
-        out = {"shards": torch.tensor([self.shards]), "tokens": torch.tensor([self.tokens]),
-               "max_abs": self.max_abs, "hist": self.hist}
-        for name in ("norm", "dim", "cos", "pos"):
-            m: Moments = getattr(self, name)
-            out |= {f"{name}.count": m.count, f"{name}.mean": m.mean, f"{name}.m2": m.m2}
-        return {k: v.contiguous() for k, v in out.items()}
-
-    @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor]) -> SlotStats:
-        def mom(name: str) -> Moments:
-            return Moments(t[f"{name}.count"], t[f"{name}.mean"], t[f"{name}.m2"])
-
-        n_slots, hidden = t["max_abs"].shape
-        return cls(n_slots, hidden, int(t["shards"][0]), int(t["tokens"][0]), mom("norm"), mom("dim"), t["max_abs"],
-                   mom("cos"), mom("pos"), t["hist"])
-
-    def summary(self, layer_ids: list[int], outlier_factor: float = 8.0) -> dict[str, Any]:
-        """JSON-ready numbers: per slot, the slot-to-slot cosines, and norm by position bucket."""
-        n = self.n_slots
-        dim_std = self.dim.std
-        per_slot = []
-        for s in range(n):
-            max_abs = self.max_abs[s]
-            median = float(max_abs.median()) or 1e-30
-            order = torch.argsort(max_abs, descending=True)[:TOP_OUTLIERS]
-            outliers = [{"dim": int(d), "max_abs": round(float(max_abs[d]), 4),
-                         "ratio_to_median": round(float(max_abs[d]) / median, 2)}
-                        for d in order if float(max_abs[d]) > outlier_factor * median]
-            per_slot.append({
-                "slot": s, "layer_id": layer_ids[s] if s < len(layer_ids) else None,
-                "role": "final (pre-norm)" if s == n - 1 else "aux",
-                "norm_mean": float(self.norm.mean[s]), "norm_std": float(self.norm.std[s]),
-                "dim_mean_abs_mean": float(self.dim.mean[s].abs().mean()),
-                "dim_std_median": float(dim_std[s].median()), "dim_std_max": float(dim_std[s].max()),
-                "max_abs": float(max_abs.max()), "max_abs_dim": int(max_abs.argmax()),
-                "max_abs_median": median, "outlier_dims": outliers,
-                "cos_to_next": float(self.cos.mean[s, s + 1]) if s + 1 < n else None,
-            })
-        used = [k for k in range(POS_BUCKETS) if float(self.pos.count[k, 0]) > 0]
-        return {
-            "shards": self.shards, "tokens": self.tokens, "slots": per_slot,
-            "cos_matrix": [[round(float(c), 6) for c in row] for row in self.cos.mean],
-            "cos_consecutive": [float(self.cos.mean[s, s + 1]) for s in range(n - 1)],
-            "cos_last_aux_final": float(self.cos.mean[n - 2, n - 1]) if n >= 2 else None,
-            "norm_by_position": [{"positions": bucket_label(k), "tokens": int(self.pos.count[k, 0]),
-                                  "mean": [float(v) for v in self.pos.mean[k]],
-                                  "std": [float(v) for v in self.pos.std[k]]} for k in used],
-        }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -497,135 +344,6 @@ def manifest_metrics(result: Inspection) -> dict[str, Any]:
             "cos_consecutive": [round(c, 6) for c in summary["cos_consecutive"]],
             "cos_last_aux_final": summary["cos_last_aux_final"]}
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# figures (each returns the matplotlib figure; plots.save_show writes and shows it)
-
-
-def _slot_names(layer_ids: list[int]) -> list[str]:
-    return [f"layer {lid}" + (" (final, pre-norm)" if s == len(layer_ids) - 1 else "") for s, lid in
-            enumerate(layer_ids)]
-
-
-def fig_norm_hist(stats: SlotStats, layer_ids: list[int]):
-    """Token-norm histograms per slot on a log axis: slots should differ, none should sit at zero."""
-    fig, ax = plots.figure(figsize=(8, 3.8))
-    edges = torch.logspace(*HIST_LOG10, HIST_BINS + 1, dtype=torch.float64)
-    used = stats.hist[:, 1:-1].sum(0).nonzero().flatten()
-    lo, hi = (int(used.min()), int(used.max()) + 1) if len(used) else (0, HIST_BINS)
-    for s, name in enumerate(_slot_names(layer_ids)):
-        counts = stats.hist[s, 1:-1].double()
-        frac = counts / counts.sum().clamp_min(1)
-        ax.stairs(frac[lo:hi].numpy(), edges[lo:hi + 1].numpy(), label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("token L2 norm")
-    ax.set_ylabel("share of tokens")
-    ax.set_title(f"Hidden-state norms per slot ({stats.tokens} tokens, {stats.shards} shards)")
-    ax.legend(fontsize=8)
-    return fig
-
-
-def fig_dim_std(stats: SlotStats, layer_ids: list[int]):
-    """Per-dimension std per slot: spikes are outlier dimensions (massive activations)."""
-    n = stats.n_slots
-    fig, axes = plots.figure(n, 1, figsize=(9, 1.7 * n + 0.6), sharex=True, squeeze=False)
-    std = stats.dim.std
-    for s, name in enumerate(_slot_names(layer_ids)):
-        ax = axes[s, 0]
-        ax.plot(std[s].numpy(), lw=0.7)
-        ax.set_yscale("log")
-        ax.set_ylabel("std", fontsize=8)
-        ax.set_title(name, fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("hidden dimension")
-    fig.suptitle("Per-dimension standard deviation per slot")
-    fig.tight_layout()
-    return fig
-
-
-def fig_cos_heatmap(stats: SlotStats, layer_ids: list[int]):
-    """Mean per-token cosine between slots: near 1 off the diagonal means two slots carry almost the same state."""
-    fig, ax = plots.figure(figsize=(4.8, 4))
-    cos = stats.cos.mean.numpy()
-    im = ax.imshow(cos, vmin=-1, vmax=1, cmap="RdBu_r")
-    labels = [str(lid) for lid in layer_ids]
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set_yticks(range(len(labels)), labels)
-    for a in range(len(labels)):
-        for b in range(len(labels)):
-            ax.text(b, a, f"{cos[a, b]:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xlabel("layer id (last = final, pre-norm)")
-    ax.set_title("Slot-to-slot cosine (mean over tokens)")
-    fig.colorbar(im, ax=ax, shrink=0.8)
-    return fig
-
-
-def fig_norm_by_position(stats: SlotStats, layer_ids: list[int]):
-    """Mean norm (± std) by token position, power-of-two buckets: how norms grow along the sequence."""
-    fig, ax = plots.figure(figsize=(8, 3.8))
-    used = [k for k in range(POS_BUCKETS) if float(stats.pos.count[k, 0]) > 0]
-    xs = list(range(len(used)))
-    for s, name in enumerate(_slot_names(layer_ids)):
-        mean = stats.pos.mean[used, s].numpy()
-        std = stats.pos.std[used, s].numpy()
-        ax.plot(xs, mean, marker="o", ms=3, label=name)
-        ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
-    ax.set_xticks(xs, [bucket_label(k) for k in used], rotation=45, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_xlabel("token position")
-    ax.set_ylabel("mean L2 norm")
-    ax.set_title("Norm by token position")
-    ax.legend(fontsize=8)
-    return fig
-
-
-def load_example(dataset_dir: Path, index: int, rows: int) -> torch.Tensor:
-    if not 0 <= index < rows:
-        raise WorkbookError(f"inspect.example_index={index} but the dataset has {rows} rows",
-                            f"set inspect.example_index to 0..{rows - 1}")
-    return shards.read_shard(shards.shard_path(dataset_dir, index))["hidden_states"]
-
-
-def fig_example_heatmap(hidden_states: torch.Tensor, layer_ids: list[int], index: int):
-    """Token × dimension values of one sample, per slot; colours clipped at the 99.5th percentile of |value| so the
-    few outlier dimensions do not wash out the rest (they show as saturated stripes)."""
-    n = hidden_states.shape[1]
-    fig, axes = plots.figure(1, n, figsize=(3.2 * n + 1, 4.2), squeeze=False)
-    x = hidden_states.to(torch.float32)
-    for s, name in enumerate(_slot_names(layer_ids)):
-        ax = axes[0, s]
-        v = x[:, s]
-        flat = v.abs().flatten()
-        k = max(1, math.ceil(0.995 * flat.numel()))
-        clip = float(flat.kthvalue(k).values) or 1.0
-        im = ax.imshow(v.numpy(), aspect="auto", cmap="RdBu_r", vmin=-clip, vmax=clip, interpolation="nearest")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("dimension")
-        if s == 0:
-            ax.set_ylabel("token position")
-        fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.suptitle(f"Sample {index}: token × dimension (clipped at the 99.5th percentile of |value|)")
-    fig.tight_layout()
-    return fig
-
-
-FIGURES = ("norm_hist", "dim_std", "cos_heatmap", "norm_by_position", "example_heatmap")
-
-
-def make_figure(result: Inspection, name: str, rd: Any, example_index: int = 0) -> Path:
-    """One stage-03 figure (a name of FIGURES), saved as figures/03_<name>.png (and shown inline in a notebook)."""
-    if name == "example_heatmap":
-        if result.online_rows is not None and example_index not in result.online_rows:
-            raise WorkbookError(f"inspect.example_index={example_index} has no shard: stage 02 ran "
-                                f"{result.hidden_states} and wrote "
-                                f"shards for rows {result.online_rows[:8]}{' ...' if len(result.online_rows) > 8 else ''}",
-                                "set inspect.example_index to one of them")
-        example = load_example(result.dataset_dir, example_index, result.rows)
-        fig = fig_example_heatmap(example, result.layer_ids, example_index)
-    else:
-        draw = {"norm_hist": fig_norm_hist, "dim_std": fig_dim_std, "cos_heatmap": fig_cos_heatmap,
-                "norm_by_position": fig_norm_by_position}[name]
-        fig = draw(result.stats, result.layer_ids)
-    return plots.save_show(fig, rd.figure_path("03", name))
 
 
 @dataclass

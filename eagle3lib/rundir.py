@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib import atomic, quiet
 from eagle3lib.config import REPO_ROOT, WorkbookConfig, load_run_config
 from eagle3lib.errors import WorkbookError
 from eagle3lib.stages import Stage, get_stage, lineage_sections
@@ -207,6 +207,7 @@ def open_stage(stage_id: str, config: str | Path | None, run: str | None = None,
     """
     cfg = load_run_config(config, run, overrides)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet.setup()  # the cells show the workbook's output, not its libraries' INFO lines and harmless warnings
     stage = get_stage(stage_id)
     rd = RunDir.create(cfg)
     for dep in stage.needs:

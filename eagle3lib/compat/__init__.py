@@ -1,8 +1,9 @@
 """Compatibility between the installed vLLM, speculators and transformers: a contract audit and a patch registry.
 
 Why: every incompatibility between these packages used to be found one at a time, each after a long model load,
-and one silently corrupted data. `audit()` checks every contract the workbook relies on at once (contracts.py);
-the patch registry fixes the breaks we know how to fix. Notebook 01 shows both tables.
+and one silently corrupted data. `audit()` checks every contract the workbook relies on at once (contracts.py; the
+contracts are declared in contracts_vllm.py and contracts_training.py, their vocabulary in contract_checks.py); the
+patch registry fixes the breaks we know how to fix. Notebook 01 shows both tables.
 
 Each patch has a name, the reason, the contract it repairs, a detector (is it needed on THIS install? a behaviour
 check where one is cheap), an idempotent apply and a revert. Patch modules live beside this file and register

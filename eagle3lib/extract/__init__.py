@@ -10,6 +10,7 @@ The steps, each in its own module:
     capture.py      the backend-neutral capture loop: validated, resumable shards, token_freq, the dataset table
     probe.py        the capture probe before the first shard: a few rows checked against the engine itself and a
                     second capture path (capture_probe.json)
+    probe_checks.py the probe's judgement: what is measured, the tolerances, the checks, the one error
     backends/       who runs the target forward: transformers (the reference), vLLM native or the capture worker
 
 Run it:  eagle3 run --config configs/demo.yaml --stages 02     (headless; or step through the notebook)

@@ -132,7 +132,10 @@ def test_statistics_do_not_depend_on_order_or_chunking(tiny_run, monkeypatch):
     for i in reversed(range(16)):
         reverse.update(_load(rd, i)["hidden_states"])
     _same(reverse, whole)
-    monkeypatch.setattr(hs_inspect, "CHUNK_TOKENS", 7)  # every shard split into uneven token chunks
+    from eagle3lib import inspect_stats
+
+    monkeypatch.setattr(inspect_stats, "CHUNK_TOKENS", 7)  # every shard split into uneven token chunks
+    monkeypatch.setattr(hs_inspect, "CHUNK_TOKENS", 7)  # (and the slot checks too)
     _same(hs_inspect.scan(d, spec, layer_ids, progress=False).stats, whole)
     # and the saved accumulators read back to the same numbers
     _same(hs_inspect.SlotStats.from_tensors(whole.tensors()), whole)
