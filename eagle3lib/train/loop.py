@@ -83,9 +83,9 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
 def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, patched: bool, inp: Any,
            transfer: Any, spool: Any, progress: bool, phases: dict[str, float]) -> dict[str, Any]:
     """`train`'s body. `phases`: seconds per part, into result.json's phase_seconds (on the 1.5B recipe the stage
-    took 336 s around a 190 s loop, session 8: where the rest goes is measured, not guessed). The loaders come
-    first: in spool mode their batches decide whether the budget holds, before anything is written or started,
-    and the producer then starts its engine while the draft is built."""
+    took 328 s around a 198 s loop on one H200, 94 s of it validating the untrained draft: where the rest goes is
+    measured, not guessed). The loaders come first: in spool mode their batches decide whether the budget holds,
+    before anything is written or started, and the producer then starts its engine while the draft is built."""
     from speculators.train.trainer import Trainer
 
     mark = time.perf_counter()

@@ -73,8 +73,8 @@ def probe_fused_loss(device: str = "cuda") -> tuple[bool, str]:
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the point of the probe
         # torch.compile's messages open with the cause ("backend='inductor' raised:" then it), then "from user
-        # code:" and advice lines ("Set TORCHDYNAMO_VERBOSE=1 ..."): keep the opening (the H200's reason line kept
-        # only the advice, sessions 9-11)
+        # code:" and advice lines ("Set TORCHDYNAMO_VERBOSE=1 ..."): keep the opening (a reason line made of the
+        # advice alone says nothing of the cause)
         head = str(e).strip().split("\nfrom user code:")[0].split("\nSet TORCHDYNAMO")[0]
         lines = [ln.strip() for ln in head.splitlines() if ln.strip()]
         msg = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
