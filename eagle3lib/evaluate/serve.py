@@ -50,13 +50,13 @@ from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
 from eagle3lib.evaluate.methods import FinishedMethods, count_identical, tokens_per_step, vllm_job, with_tokens_per_step
+from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, recommend, verdict
 
 log = logging.getLogger("eagle3lib.evaluate")
 
 SERVE_ROWS = {"eagle3": SERVE, "ngram": NGRAM_SERVE}  # each speculating server's rows in results["by_method"]
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
-DATA_CURVE = "data_curve.json"  # a run's own data-volume curve (benchmarks/data_curve.py's JSON), when it has one
 
 
 def requests_at(level: int, prompts: int, setting: int | None) -> int:
@@ -368,101 +368,6 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if " benchmark " in n}
     store.clear()  # every level is in the result now
     return result
-
-
-def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: str) -> dict[str, Any]:
-    """The serve section's overview of the grid (`settings`: each setting's `aggregate`, by label): per level the
-    setting with the most output tokens/s (the first in grid order on a tie) and whether it beats the target alone
-    (`recommended_settings[c]["setting"]`: that setting, or None = no draft); `by_level` and the speedup, TPOT and
-    step-cost curves at each level's best setting (below ×1 where no draft is recommended); the command of the
-    setting the verdict names (recommended at the lowest level, else the best there); and the `primary` setting's
-    acceptance and greedy-output check (the 'vllm serve' row, comparable with the other methods at its k)."""
-    by_level: dict[str, Any] = {}
-    recommended: dict[str, Any] = {}
-    for c in map(str, levels):
-        best = max(settings, key=lambda s: settings[s]["by_level"][c]["eagle3"].get("output_throughput") or 0)
-        lv = settings[best]["by_level"][c]
-        pays = (lv["eagle3"].get("output_throughput") or 0) > (lv["baseline"].get("output_throughput") or 0)
-        by_level[c] = {**lv, "setting": best, "recommended": pays}
-        recommended[c] = {"setting": best if pays else None, "best_setting": best,
-                          "speculative_config": settings[best]["speculative_config"] if pays else None,
-                          "serve_flags": settings[best]["serve_flags"] if pays else [],
-                          "speedup": lv["output_tok_s_ratio"], "output_throughput": lv["eagle3"]["output_throughput"],
-                          "baseline_output_throughput": lv["baseline"]["output_throughput"]}
-    speedup = {c: lv["output_tok_s_ratio"] for c, lv in by_level.items()}
-    low = str(levels[0])
-    named = settings[recommended[low]["setting"] or recommended[low]["best_setting"]]
-    first = settings[primary]
-    return {"by_level": by_level, "recommended_settings": recommended, "speedup_by_concurrency": speedup,
-            "tpot_speedup_by_concurrency": {c: lv["tpot_ratio"] for c, lv in by_level.items()},
-            "step_cost_by_concurrency": {c: lv["step_cost"] for c, lv in by_level.items()},
-            "speedup_at_lowest": speedup[low], "lowest_concurrency": levels[0],
-            "falls_below_1_at": next((int(c) for c, x in speedup.items() if x is not None and x < 1.0), None),
-            "command": named["command"], "baseline_command": first["baseline_command"],
-            **{key: first.get(key) for key in ("acceptance", "identical", "differ_at_a_tie", "differ_otherwise",
-                                               "divergences")}}
-
-
-def data_curve_path(cfg: Any, run_root: Path) -> Path:
-    """Where the verdict looks for the run's data-volume curve: evaluate.data_curve (relative to the repo root),
-    else DATA_CURVE in the run folder."""
-    from eagle3lib.config import REPO_ROOT
-
-    if cfg.evaluate.data_curve:
-        path = Path(cfg.evaluate.data_curve).expanduser()
-        return path if path.is_absolute() else REPO_ROOT / path
-    return Path(run_root) / DATA_CURVE
-
-
-def read_data_curve(path: Path) -> dict[str, Any]:
-    """The last step of a data-volume curve (benchmarks/data_curve.py's `per_doubling`): τ gained per doubling of the
-    training tokens by the server's counters where both of its points ran the serve step, else the validation EAL
-    gained (stage 05's own measure, which runs above the server's τ: the verdict names which one it added).
-    {"found": False} where there is no readable curve: the verdict then says so instead of estimating."""
-    try:
-        steps = json.loads(Path(path).read_text()).get("per_doubling") or []
-    except (OSError, json.JSONDecodeError, AttributeError):
-        steps = []
-    if not steps:
-        return {"path": str(path), "found": False}
-    last = steps[-1]
-    tau_gain = (last.get("tau_gain_per_doubling") or {}).get(SERVE)
-    gain, of = (tau_gain, f"τ {SERVE}") if tau_gain is not None else (last.get("val_eal_gain_per_doubling"),
-                                                                       "validation EAL")
-    return {"path": str(path), "found": gain is not None, "gain_per_doubling": gain, "of": of,
-            "from": last.get("from"), "to": last.get("to")}
-
-
-def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
-    """The report card's first line, from the sweep's own numbers: serve the draft up to the highest level N such
-    that a setting beats the target alone at every level up to N, with those levels' recommended settings; or, where
-    none does at the lowest level, do not serve it. Either way the step cost at the lowest level's best setting, from
-    its τ (server counters) and speedup (output tokens/s): with τ tokens per step and a step costing Y plain steps
-    the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to break even (1.2 Y for ×1.2); and
-    what one more doubling of the training data gives by the run's data curve (`read_data_curve`): τ + its last
-    gain per doubling."""
-    from eagle3lib.evaluate.serve_report import verdict_line
-
-    levels = [int(c) for c in serve["by_level"]]
-    rec = serve["recommended_settings"]
-    up_to = None
-    for c in levels:
-        if rec[str(c)]["setting"] is None:
-            break
-        up_to = c
-    low = serve["by_level"][str(levels[0])]
-    speedup, tau = low.get("output_tok_s_ratio"), low.get("tau")
-    cost = round(tau / speedup, 4) if tau and speedup else None
-    gain = curve.get("gain_per_doubling") if curve.get("found") else None
-    out = {"serve": up_to is not None, "up_to_concurrency": up_to, "highest_concurrency": levels[-1],
-           "settings": {str(c): rec[str(c)]["setting"] for c in levels if up_to is not None and c <= up_to},
-           "recommended_at": [c for c in levels if rec[str(c)]["setting"] is not None],
-           "lowest_concurrency": levels[0], "setting_at_lowest": low["setting"], "speedup_at_lowest": speedup,
-           "tau": tau, "step_cost": cost, "break_even_tau": cost,
-           "tau_for_x1_2": round(1.2 * cost, 4) if cost else None,
-           "data_curve": curve, "tau_after_doubling": round(tau + gain, 4) if tau and gain is not None else None}
-    out["line"] = verdict_line(out)
-    return out
 
 
 def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens: int, k: int) -> dict[str, Any]:

@@ -39,7 +39,7 @@ def _settings(names: list[str | None]) -> str:
 
 
 def verdict_line(v: dict[str, Any]) -> str:
-    """The report card's first line (`serve.verdict`'s numbers): serve the draft up to concurrency N with these
+    """The report card's first line (`serve_verdict.verdict`'s numbers): serve the draft up to concurrency N with these
     settings, or do not serve it; the τ this target needs to break even; what one more doubling of the training
     data gives by the run's data curve, or that the run has none."""
     low, x = v["lowest_concurrency"], _x(v.get("speedup_at_lowest"))
@@ -98,7 +98,7 @@ def _levels_table(serve: dict[str, Any]) -> list[str]:
 
 
 def headline(serve: dict[str, Any] | None) -> list[str]:
-    """The lines the report card opens with: the verdict (`serve.verdict`), then per level the recommended
+    """The lines the report card opens with: the verdict (`serve_verdict.verdict`), then per level the recommended
     setting and every setting's speedup, τ and the greedy-output check, n-gram lookup beside it, the command that
     serves the recommended setting (the one the stage ran; the target alone's where no setting pays), and whether
     this is a demo-scale run."""

@@ -133,7 +133,7 @@ def test_the_recommendation_and_the_verdict_follow_from_the_numbers(tmp_path):
     verdict serves the draft up to the last level of an unbroken run of recommendations from the lowest, with a
     step cost of τ / speedup there; a data curve's last step adds its gain per doubling (a missing curve is said to
     be missing, not estimated)."""
-    from eagle3lib.evaluate.serve import read_data_curve, recommend, verdict
+    from eagle3lib.evaluate.serve_verdict import read_data_curve, recommend, verdict
 
     base = {"1": 100.0, "4": 300.0, "16": 800.0}
     settings = {"k=3": _setting("k=3", {"1": 130.0, "4": 290.0, "16": 700.0}, base, 2.6),
