@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         stage = open_stage("05", a.config, a.run, a.overrides)
         rd = stage.rd
     else:  # other torchrun ranks: same config, but no racing on open_stage's write probe in the run directory
+        from eagle3lib import quiet
+
+        quiet.setup()  # the logging rule open_stage sets on rank 0 (their output reaches the same notebook)
         cfg = load_run_config(a.config, a.run, a.overrides)
         rd = RunDir(run_root(cfg), cfg)
     result = train(rd)
