@@ -268,9 +268,12 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # $RUN (its replies from benchmarks/device/caches/$RUN.tar.xz where that exists; else generated on
       # PEER_GEN_ENGINES engines, default 2, and once more on one if that fails: the cache keeps what was written),
       # then the workbook's stage 05 and `speculators train` (its defaults, the workbook's
-      # epochs) on a fork, side by side on GPU 0, then stage 06 of each with serve_concurrency [1], one after the
-      # other (the serve step's timings undisturbed) -> $RES/peers_$RUN.json (+ .md)
-      pe=(-p "evaluate.serve_concurrency=[1]"); pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
+      # epochs) on a fork, side by side on GPU 0, then stage 06 of each (k = 3, concurrency 1), one after the other
+      # (the serve step's timings undisturbed) -> $RES/peers_$RUN.json (+ .md)
+      # stage 06 of every arm: k = 3 alone (the arms' tau is the comparison; the recipe's grid would start 3 draft
+      # servers an arm), at concurrency 1
+      pe=(-p "evaluate.serve_concurrency=[1]" -p "evaluate.serve_grid=[{num_speculative_tokens: 3}]")
+      pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
       c="benchmarks/device/caches/$RUN.tar.xz"
       [ -d "outputs/$RUN/data" ] || [ ! -f "$c" ] || { step "replies from $c"; xz -dc "$c" | tar x; }
       if ! has_states "$RUN"; then
