@@ -22,9 +22,10 @@ from eagle3lib.errors import WorkbookError
 
 EMBEDDED_TARGET = "embedded:smollm2"  # the default target; every embedded name is in eagle3lib.embedded.TARGETS
 # prompt sets inside PyPI packages (eagle3lib.extract.sources.PACKAGE_FILES says where): training sources, and
-# evaluation benchmarks (MT-Bench is a benchmark only: it is never trained on)
+# evaluation benchmarks (MT-Bench and the math and code sets peers report, GSM8K, MATH-500 and HumanEval, are
+# benchmarks only: they are never trained on)
 PACKAGE_SOURCES = ("sharegpt", "alpaca_eval", "arena_hard", "writingbench")
-BENCHMARK_KINDS = ("mt_bench", "alpaca_eval", "arena_hard", "writingbench")
+BENCHMARK_KINDS = ("mt_bench", "alpaca_eval", "arena_hard", "writingbench", "gsm8k", "math500", "humaneval")
 
 
 def benchmark_name(spec: str) -> str:
@@ -111,8 +112,8 @@ class DataSource(Section):
     @field_validator("kind", mode="before")
     @classmethod
     def _never_train_on_a_benchmark(cls, v: Any) -> Any:
-        if v == "mt_bench":
-            raise ValueError("mt_bench is an evaluation benchmark and is never trained on: list it in "
+        if v in BENCHMARK_KINDS and v not in PACKAGE_SOURCES:
+            raise ValueError(f"{v} is an evaluation benchmark and is never trained on: list it in "
                              "evaluate.benchmarks instead")
         return v
 

