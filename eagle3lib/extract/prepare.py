@@ -179,8 +179,9 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     The generator (`data.generator`: transformers | vllm, eagle3lib.extract.generators) only continues rendered texts; the
     turn logic lives here, the cache, the scheduling and the stats in `generate_continuous`, shared by all. A
     conversation's next turn is asked for as soon as its previous reply exists, not after a whole round: round by
-    round, every engine waited for the slowest at each chunk and the later rounds were small (1.5B recipe on one H200,
-    2 engines: 14.46k tok/s, no faster than one). Conversations with more turns still to come go first.
+    round, every engine waited for the slowest at each chunk and the later rounds were small (the 1.5B recipe's
+    multi-turn replies on one H200 with 2 engines: 14.46k tok/s, no faster than one;
+    benchmarks/results/peers_qwen15_h200_2026-12-04.json). Conversations with more turns still to come go first.
     A conversation is answered at `reply_temperature` (one of `gen_temperatures`, or `gen_temperature`), part of its
     cache key. `variants[i]` > 0 marks an extra reply to a prompt that is already in `convs`
     (`data.sources[].replies`): sampled at the highest temperature, the variant in its cache key. The key (the
