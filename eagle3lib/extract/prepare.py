@@ -209,9 +209,11 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     def next_turn(ci: int) -> Request | None:
         """Copy conversation ci's turns up to and including its next user turn; the request for its reply (None: the
         conversation is done, or it waits for the same history asked by another)."""
-        if not users_left[ci]:
-            return None
         sk = skeletons[ci]
+        if not users_left[ci]:
+            done[ci] += sk[pos[ci]:]  # turns after its last user turn (a closing system message) are kept as they are
+            pos[ci] = len(sk)
+            return None
         while sk[pos[ci]]["role"] != "user":
             done[ci].append(sk[pos[ci]])
             pos[ci] += 1
