@@ -227,6 +227,7 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
         key = cache_key(done[ci], settings)
         if key in waiting:  # the same history twice (a repeated prompt): generated once
             waiting[key].append(ci)
+            stats["cached"] += key in cache  # counted as before: each conversation's turn the cache answers
             bar.update(1)
             return None
         waiting[key] = [ci]

@@ -271,7 +271,7 @@ def test_self_distill_queues_each_next_turn_as_its_reply_comes_back(tmp_path, sm
     assert sum(n for _, n in gen.chunks) == st["generated"]
     again, st = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "c.jsonl", progress=False,
                                      generator=Echo(2, 3))
-    assert again == out and (st["generated"], st["cached"]) == (0, 14)  # each history once
+    assert again == out and (st["generated"], st["cached"]) == (0, 16)  # every user turn, the repeated ones too
 
 
 def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):

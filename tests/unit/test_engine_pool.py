@@ -244,7 +244,8 @@ def test_continuous_multi_turn_gives_round_by_round_replies_and_a_killed_run_res
         assert pool.children == []  # its engine could not be stopped midway: the pool was closed
         rerun = Counted(one, 2)
         again, st = self_distill(cfg, smollm2_dir, smol_tok, convs, cache, progress=False, generator=rerun)
-        assert again == ref and (st["generated"], st["cached"], rerun.asked) == (6, 3, 6)
+        assert again == ref and (st["generated"], rerun.asked) == (6, 6)
+        assert st["cached"] >= 3  # the 3 replies, and repeated histories that one of them answers
     finally:
         one.close()
         pool.close()
