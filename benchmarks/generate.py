@@ -19,6 +19,14 @@ throughput — the lever for more data inside the recipe's 20 minutes. This meas
     python benchmarks/generate.py --config configs/smollm2-h200.yaml --prompts 4096 --engines 1 2 4 \\
         --temperatures 0.7 --out /tmp/generate_engines_h200_2026-12-02.json                     # engines side by side
 
+`--multi-turn` measures stage 02's self-distillation itself (eagle3lib.extract.prepare.self_distill, with a fresh
+reply cache) on the first --prompts conversations of the config's own sources (seeded shuffle): every user turn is
+answered after the target's earlier replies, each next turn queued as soon as its previous reply exists, each engine
+taking the next chunk of `data.gen_batch_size` as soon as it is free; the config's temperatures and batch size.
+
+    python benchmarks/generate.py --config configs/qwen-coder-1.5b-h200.yaml --multi-turn --prompts 100000 \
+        --max-new-tokens 384 --engines 1 2 3 --out /tmp/generate_multiturn_h200.json        # the recipe's stage 02
+
 Prompts: the bundled prompts with the chat template, repeated (numbered, so no two are the same text) to --prompts.
 """
 
@@ -63,11 +71,13 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     from eagle3lib.target import load_tokenizer, resolve_model_path
 
     variant, n = json.loads(args.one), args.one_engines
-    cfg = load_config(args.config, ["data.generator=vllm", f"data.gen_vllm_args={json.dumps(variant)}",
-                                    f"data.gen_batch_size={args.prompts}", f"data.gen_engines={n}", *args.param])
+    size = ([f"data.gen_max_new_tokens={args.max_new_tokens}"] if args.multi_turn
+            else [f"data.gen_batch_size={args.prompts}"])
+    cfg = load_config(args.config, ["data.generator=vllm", f"data.gen_vllm_args={json.dumps(variant)}", *size,
+                                    f"data.gen_engines={n}", *args.param])
     model_dir = resolve_model_path(cfg.target)
     tok = load_tokenizer(cfg.target, model_dir)
-    texts = prompts(tok, args.prompts)
+    texts = [] if args.multi_turn else prompts(tok, args.prompts)
     gen = make_generator(cfg, model_dir, tok)
     res: dict[str, Any] = {"variant": variant, "engines": n, "prompts": len(texts),
                            "max_new_tokens": args.max_new_tokens}
@@ -76,6 +86,10 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         res["engine_start_s"] = gen.start_s
         res["engine_start_s_each"] = getattr(gen, "start_each_s", [gen.start_s])
         print("STARTED " + json.dumps(res), flush=True)  # what a variant cut off by --timeout still reports
+        if args.multi_turn:
+            res["multi_turn"] = multi_turn(cfg, model_dir, tok, gen, args.prompts)
+            log(f"{variant} on {n} engine(s), multi-turn: {json.dumps(res['multi_turn'])}")
+            return res
         for temp in args.temperatures:
             t = time.perf_counter()
             replies = gen.generate(texts, temp, args.max_new_tokens, [0] * len(texts))
@@ -87,6 +101,25 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         gen.close()
     return res
+
+
+def multi_turn(cfg: Any, model_dir: Path, tok: Any, gen: Any, n: int) -> dict[str, Any]:
+    """Stage 02's self-distillation of the config's first n conversations (seeded shuffle), from a fresh cache."""
+    import random
+    import tempfile
+
+    from eagle3lib.extract.prepare import self_distill
+    from eagle3lib.extract.sources import read_sources
+
+    records, _ = read_sources(cfg)
+    random.Random(cfg.run.seed).shuffle(records)
+    convs = [r["messages"] for r in records[:n]]
+    with tempfile.TemporaryDirectory() as d:
+        _, st = self_distill(cfg, model_dir, tok, convs, Path(d) / "distill_cache.jsonl", progress=False,
+                             generator=gen)
+    return {"conversations": len(convs), "user_turns": sum(m["role"] == "user" for c in convs for m in c),
+            "replies": st["generated"], "new_tokens": st["new_tokens"], "seconds": st["seconds"],
+            "tokens_per_s": st["tokens_per_s"], "chunk": gen.chunk_size}
 
 
 def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -135,6 +168,8 @@ def main() -> None:
     ap.add_argument("-p", "--param", action="append", default=[], help="more config overrides KEY=VALUE")
     ap.add_argument("--engines", type=int, nargs="+", default=[1], help="engines side by side on the GPU, per run")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    ap.add_argument("--multi-turn", action="store_true", help="self-distill the config's own conversations (stage "
+                    "02's scheduling) instead of one generate call over numbered prompts")
     ap.add_argument("--out", required=True)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--one-engines", type=int, default=1, help=argparse.SUPPRESS)  # on that many engines
@@ -143,6 +178,7 @@ def main() -> None:
         print("RESULT " + json.dumps(one(args)), flush=True)
         return
     report: dict[str, Any] = {"benchmark": "generate", "config": args.config, "prompts": args.prompts,
+                              "multi_turn": args.multi_turn,
                               "max_new_tokens": args.max_new_tokens, "python": platform.python_version(),
                               "variants": []}
     for v in args.variants:

@@ -142,8 +142,9 @@ class DataSection(Section):
         "own, e.g. {max_num_seqs: 512} (benchmarks/generate.py measures such settings against each other).")
     gen_engines: int = Field(
         1, ge=1, description="data.generator: vllm only: vLLM engines that generate side by side, each in its own "
-        "process on the same GPU with 1/N of extract.gpu_memory_utilization and run.seed + its index; a chunk of "
-        "prompts is shared out among them. Why: a small target's decode is bound by the engine's CPU-side work, not "
+        "process on the same GPU with 1/N of extract.gpu_memory_utilization and run.seed + its index; "
+        "self-distillation gives each engine its next chunk as soon as it is free (self-instruct shares a chunk out "
+        "among them). Why: a small target's decode is bound by the engine's CPU-side work, not "
         "the GPU: SmolLM2-135M on one H200 wrote 28.1k tok/s with 1 engine, 39.5k with 2 (x1.41, "
         "benchmarks/results/generate_engines_h200_2026-12-02.json). Greedy replies do not depend on it, sampled ones do.")
     val_fraction: float = Field(

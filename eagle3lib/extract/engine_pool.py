@@ -9,10 +9,12 @@ Each child holds one `VllmGenerator` built from the run's config except for two 
 `extract.gpu_memory_utilization` and `run.seed + i` for engine i. Its engine runs as any stage 02 engine does
 (vllm_engine.prepare_environment: in-process on the CPU; on a GPU its engine core in a process of its own, as in the
 x1.41 measurement: in-process, scheduling and output handling would share one GIL). `EnginePoolGenerator`, what
-stage 02's `make_generator` (eagle3lib.extract.prepare) returns for N > 1, starts the N engines on the first
-`generate` call (a fully cached rerun starts none), deals text j to engine j % N (generate_cached sorts a chunk by
-length, so the shares are alike), sends every share, then gathers the replies in input order. Greedy replies are the
-single engine's; sampled ones depend on N, since each engine samples from its own seed.
+stage 02's `make_generator` (eagle3lib.extract.prepare) returns for N > 1, starts the N engines on the first call
+(a fully cached rerun starts none). Two ways in: `submit` sends one chunk to an idle engine and `wait_any` hands back
+whichever chunk comes back first, so self-distillation (generators.generate_continuous) keeps every engine busy with
+a chunk of its own, none waiting for another; `generate` (self-instruct) deals text j to engine j % N, sends every
+share, then gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N,
+since each engine samples from its own seed.
 
 The engines start one after another, each once the one before is ready; only their imports overlap (all N processes
 begin at once, import vLLM, ~13 s of CPU each, and wait for their turn). Started at once, they raced: vLLM sizes its
@@ -35,7 +37,8 @@ Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engi
                       turn); {"replies": [Reply]} per share; or {"error": text} instead of either, after which
                       it exits
 A child that dies is end-of-file on its socket. On an error or a death the pool stops every child and raises one
-WorkbookError naming the engine and quoting its log; the cache keeps every chunk generated before. `close` sends an
+WorkbookError naming the engine and quoting its log; the cache keeps every chunk that came back before. `cancel`
+(a caller that stops with chunks in flight) closes the pool: an engine cannot be stopped mid-call. `close` sends an
 idle child the stop message and one still starting or generating SIGTERM (both leave through closing the engine),
 SIGKILL after a grace, and waits until each has exited. Children die with this process even on SIGKILL
 (eagle3lib.processes.popen_with_parent).
@@ -118,7 +121,10 @@ class EnginePoolGenerator:
     def __init__(self, cfg: WorkbookConfig, model_dir: Path, tok: Any):
         self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
         self.engines = cfg.data.gen_engines
-        self.batch_size = self.engines * vllm_batch_size(cfg)
+        self.batch_size = self.engines * vllm_batch_size(cfg)  # generate: one share per engine
+        self.slots, self.chunk_size = self.engines, vllm_batch_size(cfg)  # submit: one chunk per engine
+        self.in_flight: dict[int, tuple[int, int]] = {}  # engine index -> (ticket, texts) of the chunk it holds
+        self._tickets = 0
         self.children: list[_Engine] = []
         self.start_s = 0.0  # from the first child's start to the last engine's readiness
         self.start_each_s: list[float] = []  # each engine's own start, as its child measured it
@@ -154,37 +160,60 @@ class EnginePoolGenerator:
         self.start_s = round(time.perf_counter() - t0, 2)
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
-        self.start()
+        """Text j to engine j % N, all shares at once, the replies in input order once every engine is done."""
         n = self.engines
-        busy = []
-        for child in self.children:
-            share = texts[child.index::n]
-            if not share:
-                continue
-            try:
-                child.conn.send({"texts": share, "temperature": temperature, "max_new_tokens": max_new_tokens,
-                                 "seeds": seeds[child.index::n]})
-            except OSError:
-                self._fail(child, "while generating", "its process exited")
-            child.idle = False
-            busy.append(child)
+        shares = {self.submit(texts[i::n], temperature, max_new_tokens, seeds[i::n]): i
+                  for i in range(min(n, len(texts)))}
         replies: list[Reply] = [Reply("", 0, False)] * len(texts)
-        for i, msg in self._gather(busy, "while generating").items():
-            got = msg["replies"]
-            if len(got) != len(texts[i::n]):
-                self.close()
-                raise WorkbookError(f"generation engine {i} returned {len(got)} replies for {len(texts[i::n])} "
-                                    "texts", "report this as a bug")
-            replies[i::n] = got
+        while shares:
+            ticket, got = self.wait_any()
+            replies[shares.pop(ticket)::n] = got
         return replies
 
-    def _gather(self, children: list[_Engine], doing: str) -> dict[int, dict[str, Any]]:
-        """Each child's next message, by engine index, taken as they come: the first error or death fails at once,
-        not after the others are done."""
+    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
+        """Send one chunk to an idle engine (the caller keeps at most `slots` in flight); its replies come back
+        through `wait_any`, while the other engines go on with theirs."""
+        self.start()
+        child = next((c for c in self.children if c.idle), None)
+        if child is None:
+            raise RuntimeError(f"all {self.engines} engines are busy: wait_any before the next submit")
+        try:
+            child.conn.send({"texts": texts, "temperature": temperature, "max_new_tokens": max_new_tokens,
+                             "seeds": seeds})
+        except OSError:
+            self._fail(child, "while generating", "its process exited")
+        child.idle = False
+        self._tickets += 1
+        self.in_flight[child.index] = (self._tickets, len(texts))
+        return self._tickets
+
+    def wait_any(self) -> tuple[int, list[Reply]]:
+        """The first chunk in flight to come back, as (ticket, replies); an engine's error or death fails at once."""
+        busy = [c for c in self.children if c.index in self.in_flight]
+        if not busy:
+            raise RuntimeError("nothing submitted")
+        i, msg = next(iter(self._gather(busy, "while generating", first=True).items()))
+        ticket, n = self.in_flight.pop(i)
+        got = msg["replies"]
+        if len(got) != n:
+            self.close()
+            raise WorkbookError(f"generation engine {i} returned {len(got)} replies for {n} texts",
+                                "report this as a bug")
+        return ticket, got
+
+    def cancel(self) -> None:
+        """Drop the chunks in flight: an engine cannot be told to stop mid-call, so the pool is closed (its engines
+        start again on the next call); an idle pool stays up."""
+        if self.in_flight:
+            self.close()
+
+    def _gather(self, children: list[_Engine], doing: str, first: bool = False) -> dict[int, dict[str, Any]]:
+        """Each child's next message, by engine index, taken as they come (`first`: only the first to come): the
+        first error or death fails at once, not after the others are done."""
         out: dict[int, dict[str, Any]] = {}
         waiting = {c.conn: c for c in children}
-        while waiting:
-            for conn in wait(list(waiting)):
+        while waiting and not (first and out):
+            for conn in wait(list(waiting))[:1 if first else None]:
                 child = waiting.pop(conn)
                 try:
                     msg = conn.recv()
@@ -218,6 +247,7 @@ class EnginePoolGenerator:
         from eagle3lib.processes import descendants, stop_process_tree
 
         children, self.children = self.children, []
+        self.in_flight = {}
         below = {c.index: descendants(c.proc) for c in children}  # taken while they live: orphans are found later
         for c in children:
             if c.idle:

@@ -4,8 +4,13 @@ Why a seam here: self-distillation and self-instruct both need "the target conti
 times on a GPU run. transformers `generate` (the default; no extra install, the reference) and one offline vLLM
 engine (`data.generator: vllm`, ~10-50x faster on a GPU: continuous batching, paged KV cache; `data.gen_engines`
 of them side by side, eagle3lib.extract.engine_pool) are interchangeable:
-`generate(texts, temperature, max_new_tokens, seeds) -> [Reply]`. Everything around it — the resume cache, the
-progress bar and the tokens/s stats — is written once, in `generate_cached`.
+`generate(texts, temperature, max_new_tokens, seeds) -> [Reply]`, and the same work as a non-blocking pair,
+`submit(...) -> ticket` and `wait_any() -> (ticket, [Reply])`, with up to `slots` chunks of up to `chunk_size` texts
+in flight (the engine pool: one per engine; one engine in this process: one, done at submit). Everything around it —
+the resume cache, the progress bar and the tokens/s stats — is written once: `generate_cached` for a list of texts
+(synchronous chunks, self-instruct), `generate_continuous` for requests whose replies ask for more (self-distillation:
+a conversation's next turn is queued as soon as its previous reply exists, and every engine takes the next chunk as
+soon as it is free, with no barrier across engines or turns).
 
 Texts are fully rendered prompts (chat template already applied, generation prompt or an open user turn included),
 so the generator never decides how a conversation is rendered. Each text carries a seed derived from its cache key;
@@ -19,8 +24,11 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import heapq
+import itertools
 import json
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,17 +50,66 @@ class Reply:
 
 
 class Generator(Protocol):
+    """`generate`: one chunk of up to `batch_size` texts, synchronously. `submit`/`wait_any`: up to `slots` chunks of
+    up to `chunk_size` texts in flight, each chunk's replies back as soon as they exist (in any order, by ticket);
+    `cancel` drops the chunks in flight (a caller that stops midway); `close` frees the engines (a later call starts
+    them again)."""
+
     name: str
     batch_size: int
+    slots: int
+    chunk_size: int
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        ...
+
+    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
+        ...
+
+    def wait_any(self) -> tuple[int, list[Reply]]:
+        ...
+
+    def cancel(self) -> None:
         ...
 
     def close(self) -> None:
         ...
 
 
-class TransformersGenerator:
+class OneAtATime:
+    """`submit`/`wait_any` for a generator in this process: one slot, the chunk generated at submit (there is nothing
+    to overlap it with), handed back by the next `wait_any`."""
+
+    slots = 1
+    batch_size: int
+    _held: tuple[int, list[Reply]] | None = None
+    _tickets = 0
+
+    @property
+    def chunk_size(self) -> int:
+        return self.batch_size
+
+    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        raise NotImplementedError
+
+    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
+        if self._held is not None:
+            raise RuntimeError("one chunk at a time: wait_any before the next submit")
+        self._tickets += 1
+        self._held = (self._tickets, self.generate(texts, temperature, max_new_tokens, seeds))
+        return self._tickets
+
+    def wait_any(self) -> tuple[int, list[Reply]]:
+        held, self._held = self._held, None
+        if held is None:
+            raise RuntimeError("nothing submitted")
+        return held
+
+    def cancel(self) -> None:
+        self._held = None
+
+
+class TransformersGenerator(OneAtATime):
     """Batched `model.generate` with left padding; the model loads on the first call (a fully cached rerun never
     loads it). One call = one padded batch: the caller chunks by `batch_size`."""
 
@@ -109,7 +166,7 @@ def vllm_batch_size(cfg: WorkbookConfig) -> int:
     return max(cfg.data.gen_batch_size, 256)
 
 
-class VllmGenerator:
+class VllmGenerator(OneAtATime):
     """One offline `vllm.LLM` engine, built like the capture backends' (eagle3lib.extract.backends.vllm_engine: in-process
     on the CPU, a spawned engine process on a GPU, parallel sizes, memory share and seed from `extract.*`), started on
     the first call. Prompts go in as token ids (no tokenizer in the engine); replies are decoded here."""
@@ -272,3 +329,86 @@ def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new
                 bar.set_postfix_str(f"{(stats['new_tokens'] - tokens0) / max(time.time() - t0, 1e-9):.0f} tok/s")
             start = end
     return out
+
+
+@dataclass
+class Request:
+    """One reply to generate: its cache key, its rendered text ("" when the key is cached: never rendered), its
+    temperature, and its priority (lower first): self-distillation puts the conversations with the most turns still
+    to come first, so the longest chains of replies, each waiting for the one before, start early."""
+
+    key: str
+    text: str
+    temperature: float
+    priority: int = 0
+
+
+def generate_continuous(gen: Generator, requests: Iterable[Request],
+                        on_reply: Callable[[str, Reply], Iterable[Request]], max_new_tokens: int, seed: int,
+                        cache: dict[str, dict[str, Any]], cache_path: Path, stats: dict[str, Any],
+                        bar: Any = None) -> None:
+    """Every request's reply, handed to `on_reply(key, reply)`, which may ask for more (a conversation's next turn).
+    A cached key is answered at once; the rest wait in one queue per temperature, ordered by (priority, length).
+    Whenever one of the generator's `slots` is free, the queue whose head comes first gives it a chunk of up to
+    `chunk_size` requests (one temperature per chunk; shortest texts together within a priority: little padding for
+    transformers); each chunk's replies are appended to `cache_path` as soon as they come back (a killed run loses
+    at most the chunks in flight), then handed on. No barrier: an engine never waits for another, nor a turn for a
+    whole round. The caller asks for each key once (it waits for the reply of a key already asked). Updates `stats`
+    and `bar` like `generate_cached`."""
+    queues: dict[float, list[tuple[int, int, int, Request]]] = {}
+    order = itertools.count()
+
+    def take(reqs: Iterable[Request]) -> None:
+        stack = list(reqs)
+        while stack:
+            r = stack.pop()
+            if r.key in cache:
+                c = cache[r.key]
+                stats["cached"] += 1
+                if bar is not None:
+                    bar.update(1)
+                stack.extend(on_reply(r.key, Reply(c["reply"], int(c.get("tokens", 0)),
+                                                   bool(c.get("finished", True)))))
+            else:
+                heapq.heappush(queues.setdefault(r.temperature, []), (r.priority, len(r.text), next(order), r))
+
+    take(requests)
+    if not queues:
+        return
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tokens0 = stats["new_tokens"]
+    in_flight: dict[int, list[Request]] = {}
+    with cache_path.open("a", encoding="utf-8") as cf:
+        try:
+            while queues or in_flight:
+                while queues and len(in_flight) < gen.slots:
+                    temp = min(queues, key=lambda t: queues[t][0][:3])
+                    q = queues[temp]
+                    chunk = [heapq.heappop(q)[3] for _ in range(min(gen.chunk_size, len(q)))]
+                    if not q:
+                        del queues[temp]
+                    ticket = gen.submit([r.text for r in chunk], temp, max_new_tokens,
+                                        [key_seed(r.key, seed) for r in chunk])
+                    in_flight[ticket] = chunk
+                ticket, replies = gen.wait_any()
+                chunk = in_flight.pop(ticket)
+                if len(replies) != len(chunk):
+                    raise WorkbookError(f"the generator returned {len(replies)} replies for {len(chunk)} texts",
+                                        "report this as a bug")
+                for r, reply in zip(chunk, replies, strict=True):
+                    cache[r.key] = {"key": r.key, "reply": reply.text, "tokens": reply.tokens,
+                                    "finished": reply.finished}
+                    cf.write(jsonl.dumps([cache[r.key]]))
+                    stats["generated"] += 1
+                    stats["new_tokens"] += reply.tokens
+                cf.flush()
+                if bar is not None:
+                    bar.update(len(chunk))
+                    bar.set_postfix_str(f"{(stats['new_tokens'] - tokens0) / max(time.time() - t0, 1e-9):.0f} tok/s")
+                for r, reply in zip(chunk, replies, strict=True):
+                    take(on_reply(r.key, reply))
+        except BaseException:
+            if in_flight:
+                gen.cancel()  # their replies are lost; the engines must not answer them into a later call
+            raise

@@ -32,11 +32,13 @@ from eagle3lib.extract.dedup import EvalIndex
 from eagle3lib.extract.engine_pool import EnginePoolGenerator
 from eagle3lib.extract.generators import (
     Generator,
+    Reply,
+    Request,
     TransformersGenerator,
     VllmGenerator,
     cache_key,
     finish_stats,
-    generate_cached,
+    generate_continuous,
     new_stats,
     read_cache,
 )
@@ -175,11 +177,16 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     """Regenerate every assistant turn with the target, turn by turn (a reply sees the replies generated before it).
 
     The generator (`data.generator`: transformers | vllm, eagle3lib.extract.generators) only continues rendered texts; the
-    turn logic, the cache and the stats live here and in `generate_cached`, shared by both. A conversation is answered
-    at `reply_temperature` (one of `gen_temperatures`, or `gen_temperature`), part of its cache key. `variants[i]` > 0
-    marks an extra reply to a prompt that is already in `convs` (`data.sources[].replies`): sampled at the highest
-    temperature, the variant in its cache key. The key names the target as the config does (`target.model`, as the
-    self-instruct keys do), not the folder it was found in: a cache still hits on another machine's checkout.
+    turn logic lives here, the cache, the scheduling and the stats in `generate_continuous`, shared by all. A
+    conversation's next turn is asked for as soon as its previous reply exists, not after a whole round: round by
+    round, every engine waited for the slowest at each chunk and the later rounds were small (the 1.5B recipe's
+    multi-turn replies on one H200 with 2 engines: 14.46k tok/s, no faster than one;
+    benchmarks/results/peers_qwen15_h200_2026-12-04.json). Conversations with more turns still to come go first.
+    A conversation is answered at `reply_temperature` (one of `gen_temperatures`, or `gen_temperature`), part of its
+    cache key. `variants[i]` > 0 marks an extra reply to a prompt that is already in `convs`
+    (`data.sources[].replies`): sampled at the highest temperature, the variant in its cache key. The key (the
+    conversation so far and the settings) names the target as the config does (`target.model`, as the self-instruct
+    keys do), not the folder it was found in: a cache still hits on another machine's checkout.
     """
     import time
 
@@ -194,34 +201,51 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     gen = generator or make_generator(cfg, model_dir, tok)
     stats = new_stats()
     conv_temps = [reply_temperature(sk, temps) for sk in skeletons]
-    n_user_max = max(sum(m["role"] == "user" for m in s) for s in skeletons) if skeletons else 0
+    users_left = [sum(m["role"] == "user" for m in s) for s in skeletons]
     pos = [0] * len(skeletons)  # next index into each skeleton
-    bar = tqdm(total=sum(sum(m["role"] == "user" for m in s) for s in skeletons), desc="self-distill", unit="reply",
-               disable=not progress)
+    waiting: dict[str, list[int]] = {}  # key asked for -> the conversations waiting for its reply
+    bar = tqdm(total=sum(users_left), desc="self-distill", unit="reply", disable=not progress)
+
+    def next_turn(ci: int) -> Request | None:
+        """Copy conversation ci's turns up to and including its next user turn; the request for its reply (None: the
+        conversation is done, or it waits for the same history asked by another)."""
+        sk = skeletons[ci]
+        if not users_left[ci]:
+            done[ci] += sk[pos[ci]:]  # turns after its last user turn (a closing system message) are kept as they are
+            pos[ci] = len(sk)
+            return None
+        while sk[pos[ci]]["role"] != "user":
+            done[ci].append(sk[pos[ci]])
+            pos[ci] += 1
+        done[ci].append(sk[pos[ci]])
+        pos[ci] += 1
+        users_left[ci] -= 1
+        variant = variants[ci] if variants else 0
+        temp = max(temps) if variant else conv_temps[ci]
+        settings = {"model": cfg.target.model, "max_new_tokens": d.gen_max_new_tokens, "temperature": temp,
+                    "seed": cfg.run.seed, "dtype": cfg.target.dtype, **({"variant": variant} if variant else {})}
+        key = cache_key(done[ci], settings)
+        if key in waiting:  # the same history twice (a repeated prompt): generated once
+            waiting[key].append(ci)
+            stats["cached"] += key in cache  # counted as before: each conversation's turn the cache answers
+            bar.update(1)
+            return None
+        waiting[key] = [ci]
+        text = "" if key in cache else _render(tok, done[ci], add_generation_prompt=True)
+        return Request(key, text, temp, -users_left[ci])
+
+    def on_reply(key: str, reply: Reply) -> list[Request]:
+        out = []
+        for ci in waiting.pop(key):
+            done[ci].append({"role": "assistant", "content": reply.text or "(no answer)"})
+            if (r := next_turn(ci)) is not None:
+                out.append(r)
+        return out
+
     t0 = time.time()
     try:
-        for _turn in range(n_user_max):
-            pending: list[tuple[int, str, str, float]] = []
-            for ci, sk in enumerate(skeletons):
-                # copy turns up to and including the next user turn
-                while pos[ci] < len(sk):
-                    m = sk[pos[ci]]
-                    pos[ci] += 1
-                    done[ci].append(m)
-                    if m["role"] == "user":
-                        variant = variants[ci] if variants else 0
-                        temp = max(temps) if variant else conv_temps[ci]
-                        settings = {"model": cfg.target.model, "max_new_tokens": d.gen_max_new_tokens,
-                                    "temperature": temp, "seed": cfg.run.seed, "dtype": cfg.target.dtype,
-                                    **({"variant": variant} if variant else {})}
-                        key = cache_key(done[ci], settings)
-                        text = "" if key in cache else _render(tok, done[ci], add_generation_prompt=True)
-                        pending.append((ci, key, text, temp))
-                        break
-            replies = generate_cached(gen, [(k, t, tp) for _, k, t, tp in pending], d.gen_max_new_tokens,
-                                      cfg.run.seed, cache, cache_path, stats, bar)
-            for ci, key, _, _ in pending:
-                done[ci].append({"role": "assistant", "content": replies[key].text or "(no answer)"})
+        first = [r for ci in range(len(skeletons)) if (r := next_turn(ci)) is not None]
+        generate_continuous(gen, first, on_reply, d.gen_max_new_tokens, cfg.run.seed, cache, cache_path, stats, bar)
     finally:
         bar.close()
         if generator is None:

@@ -216,6 +216,64 @@ def test_more_prompts_keep_every_cached_reply_and_a_moved_checkpoint_hits_too(tm
         gen.close()
 
 
+class Echo:
+    """A generator of `slots` engines without a model: a reply names the user turns it answers and its temperature;
+    chunks come back newest first (as engines of different speeds may hand them back)."""
+
+    name = "echo"
+
+    def __init__(self, slots: int, chunk_size: int):
+        self.slots, self.chunk_size, self.batch_size = slots, chunk_size, chunk_size
+        self.held: dict[int, list] = {}
+        self.chunks: list[tuple[float, int]] = []
+
+    def generate(self, texts, temperature, max_new_tokens, seeds):
+        from eagle3lib.extract.generators import Reply
+
+        return [Reply(f"{t.count('<|im_start|>user')} at {temperature}", 3, True) for t in texts]
+
+    def submit(self, texts, temperature, max_new_tokens, seeds):
+        assert len(self.held) < self.slots and len(texts) <= self.chunk_size
+        self.chunks.append((temperature, len(texts)))
+        self.held[len(self.chunks)] = self.generate(texts, temperature, max_new_tokens, seeds)
+        return len(self.chunks)
+
+    def wait_any(self):
+        ticket = max(self.held)
+        return ticket, self.held.pop(ticket)
+
+    def cancel(self):
+        self.held.clear()
+
+    def close(self):
+        pass
+
+
+def test_self_distill_queues_each_next_turn_as_its_reply_comes_back(tmp_path, smol_tok):
+    """Continuous scheduling, without a model: replies out of order over 2 slots, one temperature per chunk, a
+    repeated history asked once, a closing system message kept; every reply is the one its own history asks for."""
+    cfg = load_config(None, ["data.gen_temperatures=[0.0, 0.7]", "data.gen_max_new_tokens=4"])
+    u = [{"role": "user", "content": f"Question {i}?"} for i in range(6)]
+    a = {"role": "assistant", "content": "old"}
+    convs = [[u[0], a, u[1], a, u[2], a], [u[3], a, u[4]], [u[5]], [u[3], a, u[4], a],
+             [u[1], a, {"role": "system", "content": "Closing note."}]]  # the 4th repeats the 2nd
+    convs += [[{"role": "user", "content": f"Extra {i}?"}] for i in range(7)]
+    gen = Echo(2, 3)
+    out, st = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "c.jsonl", progress=False, generator=gen)
+    temps = [prepare.reply_temperature(c, [0.0, 0.7]) for c in convs]
+    for c, conv, t in zip(convs, out, temps, strict=True):
+        users = [m for m in c if m["role"] == "user"]
+        assert [m for m in conv if m["role"] != "assistant"] == [m for m in c if m["role"] != "assistant"]
+        assert [m["content"] for m in conv if m["role"] == "assistant"] == [f"{k} at {t}" for k in
+                                                                            range(1, len(users) + 1)]
+    assert (st["generated"], st["cached"]) == (sum(map(len, [[1, 2, 3], [1, 2], [1], [], [1]])) + 7, 0)
+    assert max(n for _, n in gen.chunks) == 3 and {t for t, _ in gen.chunks} == {0.0, 0.7}
+    assert sum(n for _, n in gen.chunks) == st["generated"]
+    again, st = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "c.jsonl", progress=False,
+                                     generator=Echo(2, 3))
+    assert again == out and (st["generated"], st["cached"]) == (0, 16)  # every user turn, the repeated ones too
+
+
 def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

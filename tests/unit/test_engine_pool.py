@@ -154,3 +154,98 @@ def test_an_engine_that_fails_to_start_is_one_error_with_its_log(tmp_path, smol_
     assert "last lines of" in msg and "gen_engine_" in msg and "Traceback" in msg.split("last lines of")[1]
     assert "data.gen_vllm_args" in err.value.fix
     assert gen.children == [] and not {p.pid for p in psutil.Process().children(recursive=True)} - before
+
+
+class Counted:
+    """A generator's submit/wait_any in chunks of `chunk_size`, counting the texts asked for and the chunks back;
+    with `stop_after`, raises once that many chunks have come back (a run killed midway)."""
+
+    def __init__(self, gen, chunk_size: int, stop_after: int | None = None):
+        self.gen, self.chunk_size, self.stop_after = gen, chunk_size, stop_after
+        self.name, self.batch_size, self.slots = gen.name, gen.batch_size, gen.slots
+        self.asked, self.back, self.texts = 0, [], []
+
+    def submit(self, texts, *args):
+        self.asked += len(texts)
+        self.texts += texts
+        return self.gen.submit(texts, *args)
+
+    def wait_any(self):
+        if self.stop_after is not None and len(self.back) == self.stop_after:
+            raise KeyboardInterrupt
+        ticket, replies = self.gen.wait_any()
+        self.back.append(len(replies))
+        return ticket, replies
+
+    def cancel(self):
+        self.gen.cancel()
+
+    def close(self):
+        self.gen.close()
+
+
+def round_by_round(gen, cfg, tok, convs):
+    """The reference: every conversation's first turn in one call, then every second turn, ... (greedy)."""
+    users = [[m for m in c if m["role"] == "user"] for c in convs]
+    done = [[] for _ in convs]
+    for turn in range(max(map(len, users))):
+        todo = [ci for ci, u in enumerate(users) if turn < len(u)]
+        for ci in todo:
+            done[ci].append(users[ci][turn])
+        texts = [tok.apply_chat_template(done[ci], tokenize=False, add_generation_prompt=True) for ci in todo]
+        for ci, r in zip(todo, gen.generate(texts, 0.0, cfg.data.gen_max_new_tokens, [0] * len(texts)), strict=True):
+            done[ci].append({"role": "assistant", "content": r.text or "(no answer)"})
+    return done
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_continuous_multi_turn_gives_round_by_round_replies_and_a_killed_run_resumes(tmp_path, smol_tok,
+                                                                                       smollm2_dir, monkeypatch):
+    """Self-distillation queues a conversation's next turn as soon as its reply exists and each engine takes the next
+    chunk as soon as it is free: over 2 engines its greedy replies are exactly one engine's, round by round. A run
+    stopped midway (the other engine's chunk still in flight) keeps every reply that came back; the rerun asks only
+    for the rest."""
+    from eagle3lib.extract.generators import VllmGenerator, read_cache
+    from eagle3lib.extract.prepare import make_generator, self_distill
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = pool_config(tmp_path, "data.gen_max_new_tokens=8")
+    u = [{"role": "user", "content": q} for q in ["Name two planets.", "What is 12 times 11?", "And times 12?",
+                                                   "Write a haiku about the sea.", "Now one about snow.",
+                                                   "Which is colder?", "Say hello in Spanish."]]
+    a = {"role": "assistant", "content": "(old reply)"}  # rebuilt by the target
+    convs = [[u[0], a, u[3], a, u[4], a, u[5], a], [u[1], a, u[2], a], [u[6]], [u[3], a, u[4], a], [u[1], a, u[2]],
+             [u[0]]]  # 12 user turns, 9 distinct histories (the 5th conversation is the 2nd, the 6th begins as the 1st)
+    one = VllmGenerator(cfg, smollm2_dir, smol_tok)
+    pool = make_generator(cfg, smollm2_dir, smol_tok)
+    try:
+        ref = round_by_round(one, cfg, smol_tok, convs)
+        assert all(m["content"] != "(old reply)" for c in ref for m in c)
+        counted = Counted(pool, 2)
+        got, st = self_distill(cfg, smollm2_dir, smol_tok, convs, tmp_path / "all.jsonl", progress=False,
+                               generator=counted)
+        assert got == ref and (st["generated"], st["cached"], counted.asked) == (9, 0, 9)
+        assert st["new_tokens"] > 8 and st["tokens_per_s"] > 0
+        assert len(counted.back) >= 4 and max(counted.back) <= 2  # chunks of up to 2, one per engine at a time
+
+        # no round barrier: one request at a time, the longest conversation's 2nd turn goes before other 1st turns
+        single = Counted(one, 1)
+        got, st = self_distill(cfg, smollm2_dir, smol_tok, convs, tmp_path / "one.jsonl", progress=False,
+                               generator=single)
+        assert got == ref and single.asked == 9
+        assert [t.count("<|im_start|>user") for t in single.texts[:2]] == [1, 2]  # 3 turns to come, then 2
+
+        cache = tmp_path / "distill_cache.jsonl"
+        killed = Counted(pool, 1, stop_after=3)
+        with pytest.raises(KeyboardInterrupt):
+            self_distill(cfg, smollm2_dir, smol_tok, convs, cache, progress=False, generator=killed)
+        assert len(read_cache(cache)) == 3 and killed.asked == 5  # the 4th and 5th, in flight, are lost
+        assert pool.children == []  # its engine could not be stopped midway: the pool was closed
+        rerun = Counted(one, 2)
+        again, st = self_distill(cfg, smollm2_dir, smol_tok, convs, cache, progress=False, generator=rerun)
+        assert again == ref and (st["generated"], rerun.asked) == (6, 6)
+        assert st["cached"] >= 3  # the 3 replies, and repeated histories that one of them answers
+    finally:
+        one.close()
+        pool.close()
