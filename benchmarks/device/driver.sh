@@ -38,6 +38,12 @@
 #                budget); the small data: base ~300 s, spool ~375, offline ~130, online ~170
 #   generate     GPU 0: benchmarks/generate.py with ENGINES (default "1 2 4") vLLM engines side by side, 420 s at most
 #                a variant -> $RES/generate_engines_h200.json. 1 engine ~130 s, 2 ~80 s, 4 started in turn > 240 s
+#   generate_multi  GPU 0: stage 02's self-distillation (continuous multi-turn scheduling) on $CONFIG's own
+#                conversations, fresh cache, on each of ENGINES engines -> $RES/generate_multiturn_<run>.json (not run)
+#   peers        GPU 0: $RUN's stages 00-04 (replies from benchmarks/device/caches/$RUN.tar.xz where it exists), the
+#                workbook's stage 05 beside `speculators train` on a fork, stage 06 of each (k = 3, concurrency 1)
+#                -> $RES/peers_<run>.json (benchmarks/peers.py). The 1.5B without the cache: 00-04 524 s, 05 328 s,
+#                06 288 s; with it, ~250 s less in 02
 #   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE online: $CONFIG's sources scaled by GEN_SCALE (default 4),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
 #                written); the replies caches come back as caches.txz.* (xz, 15 MiB parts) once the plan is done or
@@ -228,6 +234,15 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
     generate)
       step "the generator: 1, 2 and 4 vLLM engines side by side on GPU 0"
       bench_generate 0
+      ;;
+    generate_multi)
+      # stage 02's self-distillation itself (continuous multi-turn scheduling) on $CONFIG's own conversations from a
+      # fresh cache, on each of ENGINES engines -> $RES/generate_multiturn_$RUN.json (benchmarks/generate.py
+      # --multi-turn; the recipe's replies: 384 new tokens, its generator settings)
+      step "self-distillation on ${ENGINES:-1 2 4} engines: $CONFIG's conversations"
+      CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/generate.py --config "$CONFIG" --multi-turn \
+        --prompts 100000 --max-new-tokens 384 --temperatures 0.0 --engines ${ENGINES:-1 2 4} --timeout 480 \
+        --out "$RES/generate_multiturn_$RUN.json" > "$RES/generate_multi.log" 2>&1
       ;;
     gen_data)
       x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
