@@ -282,6 +282,26 @@ def finish_stats(stats: dict[str, Any], t0: float) -> dict[str, Any]:
     return stats
 
 
+def cached_reply(entry: dict[str, Any]) -> Reply:
+    """A reply as the cache file holds it (read_cache's values)."""
+    return Reply(entry["reply"], int(entry.get("tokens", 0)), bool(entry.get("finished", True)))
+
+
+def record_chunk(keys: list[str], replies: list[Reply], cache: dict[str, dict[str, Any]], cf: Any,
+                 stats: dict[str, Any], bar: Any, tokens0: int, t0: float) -> None:
+    """A generated chunk's replies into `cache` and appended to the open cache file `cf` (flushed: a killed run keeps
+    them), counted in `stats`, shown on `bar` with the tok/s since `t0` (new tokens past `tokens0`)."""
+    for key, r in zip(keys, replies, strict=True):
+        cache[key] = {"key": key, "reply": r.text, "tokens": r.tokens, "finished": r.finished}
+        cf.write(jsonl.dumps([cache[key]]))
+        stats["generated"] += 1
+        stats["new_tokens"] += r.tokens
+    cf.flush()
+    if bar is not None:
+        bar.update(len(keys))
+        bar.set_postfix_str(f"{(stats['new_tokens'] - tokens0) / max(time.time() - t0, 1e-9):.0f} tok/s")
+
+
 def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new_tokens: int, seed: int,
                     cache: dict[str, dict[str, Any]], cache_path: Path, stats: dict[str, Any],
                     bar: Any = None) -> dict[str, Reply]:
@@ -293,8 +313,7 @@ def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new
     queued: set[str] = set()
     for key, text, temp in items:
         if key in cache:
-            c = cache[key]
-            out[key] = Reply(c["reply"], int(c.get("tokens", 0)), bool(c.get("finished", True)))
+            out[key] = cached_reply(cache[key])
             stats["cached"] += 1
             if bar is not None:
                 bar.update(1)
@@ -317,16 +336,9 @@ def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new
             chunk = todo[start:end]
             replies = gen.generate([t for _, t, _ in chunk], temp, max_new_tokens,
                                    [key_seed(k, seed) for k, _, _ in chunk])
-            for (key, _, _), r in zip(chunk, replies, strict=True):
-                out[key] = r
-                cache[key] = {"key": key, "reply": r.text, "tokens": r.tokens, "finished": r.finished}
-                cf.write(jsonl.dumps([cache[key]]))
-                stats["generated"] += 1
-                stats["new_tokens"] += r.tokens
-            cf.flush()
-            if bar is not None:
-                bar.update(len(chunk))
-                bar.set_postfix_str(f"{(stats['new_tokens'] - tokens0) / max(time.time() - t0, 1e-9):.0f} tok/s")
+            keys = [k for k, _, _ in chunk]
+            out.update(zip(keys, replies, strict=True))
+            record_chunk(keys, replies, cache, cf, stats, bar, tokens0, t0)
             start = end
     return out
 
@@ -363,12 +375,10 @@ def generate_continuous(gen: Generator, requests: Iterable[Request],
         while stack:
             r = stack.pop()
             if r.key in cache:
-                c = cache[r.key]
                 stats["cached"] += 1
                 if bar is not None:
                     bar.update(1)
-                stack.extend(on_reply(r.key, Reply(c["reply"], int(c.get("tokens", 0)),
-                                                   bool(c.get("finished", True)))))
+                stack.extend(on_reply(r.key, cached_reply(cache[r.key])))
             else:
                 heapq.heappush(queues.setdefault(r.temperature, []), (r.priority, len(r.text), next(order), r))
 
@@ -396,16 +406,7 @@ def generate_continuous(gen: Generator, requests: Iterable[Request],
                 if len(replies) != len(chunk):
                     raise WorkbookError(f"the generator returned {len(replies)} replies for {len(chunk)} texts",
                                         "report this as a bug")
-                for r, reply in zip(chunk, replies, strict=True):
-                    cache[r.key] = {"key": r.key, "reply": reply.text, "tokens": reply.tokens,
-                                    "finished": reply.finished}
-                    cf.write(jsonl.dumps([cache[r.key]]))
-                    stats["generated"] += 1
-                    stats["new_tokens"] += reply.tokens
-                cf.flush()
-                if bar is not None:
-                    bar.update(len(chunk))
-                    bar.set_postfix_str(f"{(stats['new_tokens'] - tokens0) / max(time.time() - t0, 1e-9):.0f} tok/s")
+                record_chunk([r.key for r in chunk], replies, cache, cf, stats, bar, tokens0, t0)
                 for r, reply in zip(chunk, replies, strict=True):
                     take(on_reply(r.key, reply))
         except BaseException:
