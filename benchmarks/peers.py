@@ -1,38 +1,43 @@
 """Benchmark (not a test): the workbook beside its peers on one run's conversations, every draft measured by the
 workbook's own stage 06 (same prompts, same flags, k from the config).
 
-Arms:
+Arms (`ARMS`; the workbook as configured is always one):
   workbook          the run itself, stages 00-06 as configured (`eagle3 run`).
   speculators_cli   speculators' own `speculators train` (its CLI, its defaults: muon, lr 1e-3, linear schedule,
                     kl_div, weight decay 0.01, seed 42, its own draft vocabulary built from the run's token
                     frequencies) on a fork of the run (`rundir.fork_run`: the same conversations, rows, validation rows
-                    and hidden-state shards, through hard links), for `--cli-epochs` epochs (default: the workbook's;
-                    its own default is 20). What the run's machine decides is the workbook arm's: attention kernel,
-                    loss kernel (speculators' fused loss fails under torch 2.11's dynamo, docs/engines.md), states
-                    dtype, loader workers; and what the data decides: the training/validation boundary (its 0.9
-                    default would move it) and the tokens per packed step (train.packing_length; its default is
-                    8192, the GPU recipes' value), so both arms take the same optimizer steps per epoch. Its
-                    draft is then registered as the fork's stage 05 (`register_draft`) and stage 06 runs on the fork.
-                    Not run by this harness: speculators' own data preparation and `generate-offline-data` (vLLM +
-                    hs-connectors), which would write a second copy of the same states.
+                    and hidden-state shards, through hard links), for the workbook's epochs (its own default, 20, is
+                    ten times the 1.5B recipe's training: not an arm). What the run's machine decides is the workbook
+                    arm's: attention kernel, loss kernel (speculators' fused loss fails under torch 2.11's dynamo,
+                    docs/engines.md), states dtype, loader workers; and what the data decides: the
+                    training/validation boundary (its 0.9 default would move it) and the tokens per packed step
+                    (train.packing_length; its default is 8192, the GPU recipes' value), so both arms take the same
+                    optimizer steps per epoch. Its draft is then registered as the fork's stage 05 (`register_draft`)
+                    and stage 06 runs on the fork. Not run by this harness: speculators' own data preparation and
+                    `generate-offline-data` (vLLM + hs-connectors), which would write a second copy of the same states.
+  workbook_muon     the workbook's stage 05 on a fork with the optimizer and schedule speculators' CLI defaults to
+                    (`WORKBOOK_VARIANTS`): beside speculators_cli it separates the optimizer from the harness.
+  workbook_epochs_x2  the workbook's stage 05 on a fork with twice train.epochs: do more optimizer steps pay?
   specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`): it pins
                     sglang==0.5.14 (and its CUDA kernel packages) and transformers==5.8.1, none of them on the GPU
                     host's image, and its offline mode trains on hidden states SGLang captures in its own format.
 
-Per arm: tau on the held-out prompts and on MT-Bench (stage 06, serve method: the draft's `vllm serve` counters),
-validation EAL (speculators' own validation metrics on the same validation rows), training tokens, stage seconds,
-GPU seconds (stages 02, 05, 06: the ones that hold the GPU), the hidden states' bytes on disk.
+Per arm: tau on the held-out prompts and on every evaluate.benchmarks set (stage 06, serve method: the draft's
+`vllm serve` counters), validation EAL (speculators' own validation metrics on the same validation rows), training
+tokens, stage seconds, GPU seconds (stages 02, 05, 06: the ones that hold the GPU), the hidden states' bytes on disk;
+and beside the workbook arm, the noise of a tau difference: the mean difference over the benchmarks' categories
+(paired: the same questions) with its standard error (`paired_difference`).
 
     eagle3 run --config C --run R                                  # the workbook arm: stages 00-06
-    python benchmarks/peers.py train --run-dir outputs/R           # speculators' CLI on a fork (R-speculators-cli)
-    python benchmarks/peers.py evaluate --run-dir outputs/R        # stage 06 on each fork
-    python benchmarks/peers.py report --run-dir outputs/R --out benchmarks/results/peers_qwen15_h200.json \
-        --note "date, commit, machine, command"
+    python benchmarks/peers.py train --run-dir outputs/R --arm speculators_cli   # on a fork: R-speculators-cli
+    python benchmarks/peers.py evaluate --run-dir outputs/R --arm speculators_cli
+    python benchmarks/peers.py report --run-dir outputs/R --arms speculators_cli workbook_muon \
+        --out benchmarks/results/peers_qwen15_h200.json --note "date, commit, machine, command"
 
 A fork runs with the workbook arm's own resolved config (its run folder's config.yaml: whatever overrides its
 stages ran with), so the fork's stages 00-04 are valid as they are; `-p KEY=VALUE` overrides go to each fork's stage
-06 (give the workbook arm's stage 06 the same). The `train` step can run
-while the workbook arm trains (both on one GPU: the arms' training seconds are then each under that sharing).
+06 (give the workbook arm's stage 06 the same). Arms can train side by side with the workbook arm's stage 05 (on one
+GPU each arm's training seconds are then under that sharing; the JSON's note says so).
 """
 
 from __future__ import annotations
@@ -52,6 +57,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 CLI_ARM = "speculators_cli"
+# the workbook's stage 05 again on a fork, with these train.* overrides (a function of the run's train section)
+WORKBOOK_VARIANTS: dict[str, Any] = {
+    # speculators 0.9's CLI defaults (speculators.train.config: OptimizerArgs, SchedulerArgs): muon at lr 1e-3 with
+    # weight decay 0.01 on its AdamW group, a linear schedule without warm-up
+    "workbook_muon": lambda t: ["train.optimizer=muon", "train.lr=0.001", "train.weight_decay=0.01",
+                                "train.scheduler=linear", "train.warmup_steps=0"],
+    "workbook_epochs_x2": lambda t: [f"train.epochs={2 * t.epochs}"],
+}
+ARMS = (CLI_ARM, *WORKBOOK_VARIANTS)
 SPECFORGE_SKIPPED = (
     "not run: SpecForge 0.2.0 (PyPI) requires sglang==0.5.14 (whose own requirements include sglang-kernel 0.4.4, "
     "flashinfer-python 0.6.12, flash-attn-4 4.0.0b15, tilelang, torchao 0.17, torchaudio 2.11) and "
@@ -61,8 +75,8 @@ SPECFORGE_SKIPPED = (
 GPU_STAGES = ("02", "05", "06")
 
 
-def fork_name(run: str, epochs: int | None) -> str:
-    return f"{run}-speculators-cli" + (f"-e{epochs}" if epochs else "")
+def fork_name(run: str, arm: str) -> str:
+    return f"{run}-{arm.replace('_', '-')}"
 
 
 def cli_arguments(inp: Any, res: Any, token_freq: Path, save_path: Path, log_dir: Path, epochs: int,
@@ -154,25 +168,38 @@ def fork_config(fork: Path) -> Path:
     return fork / "config.yaml"
 
 
-def train_arm(base: Path, epochs: int | None) -> Path:
-    """Fork the run folder `base` and train speculators' CLI arm on it; returns the fork's folder."""
+def train_arm(base: Path, arm: str) -> Path:
+    """Fork the run folder `base` and train arm `arm` (one of `ARMS`) on it; returns the fork's folder."""
+    from eagle3lib.config import load_run_config
+    from eagle3lib.rundir import fork_run
+
+    if arm not in ARMS:
+        raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
+    base = Path(base).resolve()
+    dst = fork_run(base, base.parent / fork_name(base.name, arm))
+    if arm == CLI_ARM:
+        return train_cli_arm(dst)
+    cfg = load_run_config(fork_config(dst), dst.name)
+    run_stage(dst, "05", WORKBOOK_VARIANTS[arm](cfg.train))
+    return dst
+
+
+def train_cli_arm(dst: Path) -> Path:
+    """speculators' CLI arm on the fork `dst`, registered as its stage 05."""
     from eagle3lib import shards
     from eagle3lib.config import load_run_config
-    from eagle3lib.rundir import RunDir, fork_run
+    from eagle3lib.rundir import RunDir
     from eagle3lib.train import inputs_from_run, resolve_settings
 
-    base = Path(base).resolve()
-    dst = fork_run(base, base.parent / fork_name(base.name, epochs))
     cfg = load_run_config(fork_config(dst), dst.name)
     rd = RunDir(dst, cfg)
     inp = inputs_from_run(rd)
     res = resolve_settings(cfg.train)
     fp8 = bool(shards.spec_from_metrics(rd.read_manifest("02")["metrics"]).fp8)
-    n_epochs = epochs or cfg.train.epochs
     save_path = rd.path("draft", "checkpoints")
     save_path.mkdir(parents=True, exist_ok=True)
-    args = cli_arguments(inp, res, rd.output("02", "token_freq"), save_path, rd.path("draft", "logs"), n_epochs, fp8,
-                         cfg.train.packing_length)
+    args = cli_arguments(inp, res, rd.output("02", "token_freq"), save_path, rd.path("draft", "logs"),
+                         cfg.train.epochs, fp8, cfg.train.packing_length)
     records = rd.path("draft", "speculators_records.json")
     started = time.time()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -180,14 +207,18 @@ def train_arm(base: Path, epochs: int | None) -> Path:
     with open(rd.path("draft", "speculators_train.log"), "w") as log:
         subprocess.run(command, cwd=REPO, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     register_draft(rd, inp, save_path, json.loads(records.read_text()), ["speculators", "train", *args], started,
-                   n_epochs)
+                   cfg.train.epochs)
     return dst
 
 
-def evaluate_arm(fork: Path, overrides: list[str]) -> None:
+def run_stage(fork: Path, stages: str, overrides: list[str]) -> None:
+    """`eagle3 run` of `stages` on a fork, with its own config.yaml and `overrides` (-p KEY=VALUE)."""
     cmd = [sys.executable, "-m", "eagle3lib.cli", "run", "--config", str(fork_config(fork)), "--run", fork.name,
-           "--stages", "06", *[x for o in overrides for x in ("-p", o)]]
+           "--stages", stages, *[x for o in overrides for x in ("-p", o)]]
     subprocess.run(cmd, cwd=REPO, check=True)
+
+
+SERVE = "vllm serve"  # stage 06's row for the draft's server
 
 
 def arm_summary(run_dir: Path) -> dict[str, Any]:
@@ -196,18 +227,20 @@ def arm_summary(run_dir: Path) -> dict[str, Any]:
 
     ms = read_manifests(run_dir)
     if "05" not in ms:
-        log = run_dir / "draft" / "speculators_train.log"
-        return {"run": run_dir.name, "failed": "no draft: stage 05 did not finish" + (
-            f" (last line of {log.name}: {log.read_text().strip().splitlines()[-1][:300]})"
-            if log.is_file() and log.read_text().strip() else "")}
+        logs = [run_dir / "draft" / "speculators_train.log"]
+        last = next((f"{f.name}: {f.read_text().strip().splitlines()[-1][:300]}" for f in logs
+                     if f.is_file() and f.read_text().strip()), None)
+        return {"run": run_dir.name, "failed": "no draft: stage 05 did not finish" + (f" (last line of {last})"
+                                                                                      if last else "")}
     m02, m05, m06 = (ms.get(s, {}).get("metrics", {}) for s in ("02", "05", "06"))
     result = json.loads((run_dir / "draft" / "result.json").read_text()) if (run_dir / "draft" / "result.json").is_file() else {}
-    serve = "vllm serve"
     seconds = {m["stage"]: m.get("seconds") for m in ms.values()}
     return {"run": run_dir.name, "trained_by": result.get("trained_by", "eagle3lib (speculators' Trainer)"),
-            "tau_heldout": (m06.get("tau") or {}).get(serve),
-            "tau_mt_bench": ((m06.get("tau_by_benchmark") or {}).get("mt_bench") or {}).get(serve),
-            "tau_by_benchmark": {b: t.get(serve) for b, t in (m06.get("tau_by_benchmark") or {}).items()},
+            "optimizers": result.get("optimizers"),
+            "tau_heldout": (m06.get("tau") or {}).get(SERVE),
+            "tau_mt_bench": ((m06.get("tau_by_benchmark") or {}).get("mt_bench") or {}).get(SERVE),
+            "tau_by_benchmark": {b: t.get(SERVE) for b, t in (m06.get("tau_by_benchmark") or {}).items()},
+            "tau_by_category": category_taus(run_dir),
             "speedup_by_concurrency": m06.get("serve_speedup_by_concurrency"),
             "val_eal": result.get("val_eal"), "val_full_acc": result.get("val_full_acc"),
             "train_tokens": result.get("train_tokens"), "optimizer_steps": result.get("global_step"),
@@ -217,17 +250,47 @@ def arm_summary(run_dir: Path) -> dict[str, Any]:
             "disk_bytes": m02.get("bytes"), "command": result.get("command")}
 
 
-def report(base: Path, epochs: list[int | None], out: Path, note: str) -> dict[str, Any]:
+def category_taus(run_dir: Path) -> dict[str, float]:
+    """The draft server's tau per benchmark category ("mt_bench/writing", "gsm8k/gsm8k", ...) from stage 06's
+    results: the cells two arms are paired on (the same questions asked of both)."""
+    path = run_dir / "eval" / "results.json"
+    if not path.is_file():
+        return {}
+    out = {}
+    for bench, rows in (json.loads(path.read_text()).get("tau_by_benchmark") or {}).items():
+        for cat, row in (rows.get("by_category") or {}).items():
+            tau = (row.get("by_method") or {}).get(SERVE, {}).get("tau")
+            if tau is not None:
+                out[f"{bench}/{cat}"] = tau
+    return out
+
+
+def paired_difference(arm: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any] | None:
+    """Arm minus reference tau over the benchmark categories both answered: mean, its standard error (the spread
+    of the per-category differences / sqrt(n)) and n. A difference within about two standard errors is noise."""
+    a, b = arm.get("tau_by_category") or {}, reference.get("tau_by_category") or {}
+    diffs = [a[c] - b[c] for c in a if c in b]
+    if len(diffs) < 2:
+        return None
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return {"mean": round(mean, 4), "standard_error": round((var / len(diffs)) ** 0.5, 4), "categories": len(diffs)}
+
+
+def report(base: Path, arms: list[str], out: Path, note: str) -> dict[str, Any]:
     base = Path(base).resolve()
-    arms: dict[str, Any] = {"workbook": arm_summary(base)}
-    for e in epochs:
-        fork = base.parent / fork_name(base.name, e)
+    result_arms: dict[str, Any] = {"workbook": arm_summary(base)}
+    for arm in arms:
+        fork = base.parent / fork_name(base.name, arm)
         if fork.is_dir():
-            arms[CLI_ARM + (f"_e{e}" if e else "")] = arm_summary(fork)
-    arms["specforge"] = {"skipped": SPECFORGE_SKIPPED}
+            result_arms[arm] = arm_summary(fork)
+            diff = paired_difference(result_arms[arm], result_arms["workbook"])
+            if diff is not None:
+                result_arms[arm]["tau_vs_workbook_by_category"] = diff
+    result_arms["specforge"] = {"skipped": SPECFORGE_SKIPPED}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    result = {"note": note, "commit": commit, "host": platform.node(), "run": base.name, "arms": arms}
+    result = {"note": note, "commit": commit, "host": platform.node(), "run": base.name, "arms": result_arms}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown_table(result) + "\n")
@@ -235,19 +298,26 @@ def report(base: Path, epochs: list[int | None], out: Path, note: str) -> dict[s
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    cols = ("tau_heldout", "tau_mt_bench", "val_eal", "train_tokens", "optimizer_steps", "train_seconds",
-            "gpu_seconds", "disk_bytes")
+    """The arms as one table: tau held-out and per benchmark, the paired difference to the workbook arm, then
+    validation EAL and what the arm cost."""
+    benches = list(dict.fromkeys(b for arm in result["arms"].values() for b in arm.get("tau_by_benchmark") or {}))
+    cols = ["tau_heldout", *(f"tau_{b}" for b in benches), "tau_vs_workbook", "val_eal", "train_tokens",
+            "optimizer_steps", "train_seconds", "gpu_seconds", "disk_bytes"]
+
+    def cell(arm: dict[str, Any], c: str) -> str:
+        if c == "tau_vs_workbook":
+            d = arm.get("tau_vs_workbook_by_category")
+            return f"{d['mean']:+.3f} ± {d['standard_error']:.3f} ({d['categories']})" if d else "—"
+        v = (arm.get("tau_by_benchmark") or {}).get(c[4:]) if c[4:] in benches else arm.get(c)
+        return ("—" if v is None else f"{v:,.3f}" if isinstance(v, float) and v < 100 else f"{v:,.0f}"
+                if isinstance(v, (int, float)) else str(v))
+
     lines = ["| arm | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, arm in result["arms"].items():
         if "skipped" in arm or "failed" in arm:
-            lines.append(f"| {name} | " + " | ".join(["skipped" if "skipped" in arm else "failed"]
-                                                     + [""] * (len(cols) - 1)) + " |")
-            continue
-        cells = []
-        for c in cols:
-            v = arm.get(c)
-            cells.append("—" if v is None else f"{v:,.3f}" if isinstance(v, float) and v < 100 else f"{v:,.0f}"
-                         if isinstance(v, (int, float)) else str(v))
+            cells = ["skipped" if "skipped" in arm else "failed"] + [""] * (len(cols) - 1)
+        else:
+            cells = [cell(arm, c) for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -260,22 +330,19 @@ def main() -> int:
     ap.add_argument("step", choices=("train", "evaluate", "report"))
     ap.add_argument("--run-dir", required=True, type=Path,
                     help="the workbook arm's run folder: stages 00-04 done (00-06 for report)")
-    ap.add_argument("--cli-epochs", type=int, nargs="*", default=[0],
-                    help="speculators' CLI arm once per value (0 = the workbook's train.epochs)")
-    ap.add_argument("-p", dest="overrides", action="append", default=[], help="stage 06 overrides for the forks")
+    ap.add_argument("--arm", choices=ARMS, default=CLI_ARM, help="train, evaluate: the arm (its fork: RUN-ARM)")
+    ap.add_argument("--arms", nargs="*", choices=ARMS, default=[CLI_ARM], help="report: the arms beside the workbook")
+    ap.add_argument("-p", dest="overrides", action="append", default=[], help="evaluate: stage 06 overrides")
     ap.add_argument("--out", default="benchmarks/results/peers.json")
     ap.add_argument("--note", default="", help="date, commit, machine, command (kept in the JSON)")
     args = ap.parse_args()
-    epochs = [e or None for e in args.cli_epochs]
-    for e in epochs:
-        if args.step == "train":
-            print("speculators_cli arm trained in", train_arm(args.run_dir, e))
-        elif args.step == "evaluate":
-            base = args.run_dir.resolve()
-            evaluate_arm(base.parent / fork_name(base.name, e), args.overrides)
-    if args.step == "report":
-        result = report(args.run_dir, epochs, Path(args.out), args.note)
-        print(markdown_table(result))
+    base = args.run_dir.resolve()
+    if args.step == "train":
+        print(args.arm, "trained in", train_arm(base, args.arm))
+    elif args.step == "evaluate":
+        run_stage(base.parent / fork_name(base.name, args.arm), "06", args.overrides)
+    else:
+        print(markdown_table(report(base, args.arms, Path(args.out), args.note)))
     return 0
 
 

@@ -15,7 +15,8 @@
 #            exits 3 at once on a host without a plan (a new host since `launch`: copy and install again)
 #   plan     (launch starts it) the config's target converted once, then each step of STEPS in order; then DONE
 # Settings: CONFIG (default configs/smollm2-h200.yaml), RUN (its run name, default smollm2-h200), STEPS (default
-# recipe_ab), and each step's own below. LIMIT: seconds a stage run may take (default 1800).
+# recipe_ab), and each step's own below (PEER_ARMS, PEER_GEN_ENGINES, PEER_SERVE_ARGS: the peers step's). LIMIT:
+# seconds a stage run may take (default 1800).
 #
 # STEPS: what each runs -> what it writes, and what it took on one H200 (stage runs land in outputs/<run>/):
 #   recipe       GPU 0: $CONFIG, stages 00-06 as $RUN | GPU 1: the EAGLE-1-style row, the same data with the draft on
@@ -41,9 +42,9 @@
 #   generate_multi  GPU 0: stage 02's self-distillation (continuous multi-turn scheduling) on $CONFIG's own
 #                conversations, fresh cache, on each of ENGINES engines -> $RES/generate_multiturn_<run>.json (not run)
 #   peers        GPU 0: $RUN's stages 00-04 (replies from benchmarks/device/caches/$RUN.tar.xz where it exists), the
-#                workbook's stage 05 beside `speculators train` on a fork, stage 06 of each (k = 3, concurrency 1)
-#                -> $RES/peers_<run>.json (benchmarks/peers.py). The 1.5B without the cache: 00-04 524 s, 05 328 s,
-#                06 288 s; with it, ~250 s less in 02
+#                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli workbook_muon: benchmarks/
+#                peers.py) on its fork, then stage 06 of all of them side by side (k = 3, concurrency 1)
+#                -> $RES/peers_<run>.json. The 1.5B without the cache: 00-04 524 s, 05 328 s, 06 288 s (one arm)
 #   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE online: $CONFIG's sources scaled by GEN_SCALE (default 4),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
 #                written); the replies caches come back as caches.txz.* (xz, 15 MiB parts) once the plan is done or
@@ -76,13 +77,17 @@ AB_PARAMS=${AB_PARAMS:--p train.lr=0.002}
 SRUN=$RUN-small  # the small run: stage 02 in minutes instead of ~10, for the scaling step and the A/B arms
 SMALL=(-p "data.sources=[{kind: bundled, replies: 8}, {kind: self_instruct, limit: 4000}]")
 RES=/tmp/results  # what the plan measured; `poll` copies it into $OUT
+# the peers step's stage 06 servers, up to four at once on one GPU: each asks for 15% of it at start (vLLM refuses to
+# start when less is free) and takes an 8 GiB KV cache instead of profiling for one (a profile would count the other
+# servers' memory as its own)
+PEER_SERVE_GPU="[--gpu-memory-utilization, '0.15', --kv-cache-memory-bytes, '8589934592']"
 
 # the runs' small files: reports, manifests, curves, figures, eval results (no tensors, no checkpoints)
 pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
   --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* outputs/$RUN-x* \
   outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
-  outputs/$SRUN-spool outputs/$RUN-speculators-cli* 2>/dev/null; }
+  outputs/$SRUN-spool outputs/$RUN-speculators-cli* outputs/$RUN-workbook-* 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -135,10 +140,11 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
-    "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" > "$RES/plan.env"
+    "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli workbook_muon}" \
+    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" > "$RES/plan.env"
   setsid nohup bash benchmarks/device/driver.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
   sleep 20; cat "$RES/plan.log"
   ;;
@@ -279,16 +285,18 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       wait
       ;;
     peers)
-      # the workbook beside speculators' own CLI on the recipe's conversations (benchmarks/peers.py): stages 00-04 of
-      # $RUN (its replies from benchmarks/device/caches/$RUN.tar.xz where that exists; else generated on
-      # PEER_GEN_ENGINES engines, default 2, and once more on one if that fails: the cache keeps what was written),
-      # then the workbook's stage 05 and `speculators train` (its defaults, the workbook's
-      # epochs) on a fork, side by side on GPU 0, then stage 06 of each (k = 3, concurrency 1), one after the other
-      # (the serve step's timings undisturbed) -> $RES/peers_$RUN.json (+ .md)
-      # stage 06 of every arm: k = 3 alone (the arms' tau is the comparison; the recipe's grid would start 3 draft
-      # servers an arm), at concurrency 1
-      pe=(-p "evaluate.serve_concurrency=[1]" -p "evaluate.serve_grid=[{num_speculative_tokens: 3}]")
+      # the workbook beside speculators' own CLI and the workbook's variants (benchmarks/peers.py ARMS) on the recipe's
+      # conversations: stages 00-04 of $RUN (its replies from benchmarks/device/caches/$RUN.tar.xz where that exists;
+      # else generated on PEER_GEN_ENGINES engines, default 2, and once more on one if that fails: the cache keeps
+      # what was written), then the workbook's stage 05 and each arm of PEER_ARMS (default speculators_cli
+      # workbook_muon) on its fork, side by side on GPU 0, then stage 06 of every arm side by side: k = 3 alone, at
+      # concurrency 1, each server in a fixed share of the GPU (the servers of up to four arms at once; tau does
+      # not depend on what else runs, the speedups do: they are then under that sharing) -> $RES/peers_$RUN.json
+      # (+ .md)
+      pe=(-p "evaluate.serve_concurrency=[1]" -p "evaluate.serve_grid=[{num_speculative_tokens: 3}]"
+          -p "evaluate.serve_args=${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}")
       pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
+      arms=${PEER_ARMS:-speculators_cli workbook_muon}
       c="benchmarks/device/caches/$RUN.tar.xz"
       [ -d "outputs/$RUN/data" ] || [ ! -f "$c" ] || { step "replies from $c"; xz -dc "$c" | tar x; }
       if ! has_states "$RUN"; then
@@ -299,19 +307,22 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
           run_on 0 peers_base_1 --run "$RUN" --stages 00-04 "${pg[@]}"
         fi
       fi
-      step "stage 05: the workbook | speculators train on a fork (side by side on GPU 0)"
+      # peers.py's own steps, logged and timed as run_on's: $1 = log name, the rest = its arguments
+      peers_py() { local name=$1 t; shift; t=$(date +%s)
+        CUDA_VISIBLE_DEVICES=0 timeout "${LIMIT:-1800}" python3 benchmarks/peers.py "$@" --run-dir "outputs/$RUN" \
+          > "$RES/$name.log" 2>&1
+        echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
+      step "stage 05: the workbook | $arms, each on a fork (side by side on GPU 0)"
       run_on 0 peers_workbook_05 --run "$RUN" --stages 05 "${pg[@]}" &
-      ( t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/peers.py train --run-dir "outputs/$RUN" \
-          > "$RES/peers_train.log" 2>&1
-        echo "peers_train exit $? after $(( $(date +%s) - t )) s" >> "$RES/peers_train.log" ) &
+      for a in $arms; do peers_py "peers_train_$a" train --arm "$a" & done
       wait
-      step "stage 06: the workbook, then speculators' CLI arm"
-      run_on 0 peers_workbook_06 --run "$RUN" --stages 06 "${pg[@]}" "${pe[@]}"
-      t=$(date +%s); CUDA_VISIBLE_DEVICES=0 timeout 900 python3 benchmarks/peers.py evaluate --run-dir "outputs/$RUN" \
-        "${pe[@]}" > "$RES/peers_eval.log" 2>&1
-      echo "peers_eval exit $? after $(( $(date +%s) - t )) s" >> "$RES/peers_eval.log"
-      python3 benchmarks/peers.py report --run-dir "outputs/$RUN" --out "$RES/peers_$RUN.json" \
-        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers, $CONFIG ${pg[*]} ${pe[*]}" \
+      step "stage 06 of the workbook and of $arms (side by side on GPU 0)"
+      run_on 0 peers_workbook_06 --run "$RUN" --stages 06 "${pg[@]}" "${pe[@]}" &
+      for a in $arms; do sleep 20; peers_py "peers_eval_$a" evaluate --arm "$a" "${pe[@]}" & done
+      wait
+      # shellcheck disable=SC2086 - arms is a list of names
+      python3 benchmarks/peers.py report --run-dir "outputs/$RUN" --arms $arms --out "$RES/peers_$RUN.json" \
+        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers PEER_ARMS='$arms', $CONFIG ${pg[*]} ${pe[*]}; training side by side, stage 06 side by side" \
         > "$RES/peers_report.log" 2>&1
       ;;
     fp8_ab)

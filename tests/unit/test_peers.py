@@ -1,6 +1,7 @@
-"""benchmarks/peers.py's speculators-CLI arm on the CPU: speculators' own `speculators train` (its CLI, its
-defaults) trains on the workbook's FP8 shards of a forked run (through speculators' fp8 hidden-states backend), its draft becomes the fork's stage 05, stage 06's inputs
-find it, and the harness's JSON reads the arm back."""
+"""benchmarks/peers.py's arms on the CPU: speculators' own `speculators train` (its CLI, its defaults) trains on the
+workbook's FP8 shards of a forked run (through speculators' fp8 hidden-states backend), its draft becomes the fork's
+stage 05 and stage 06's inputs find it; a workbook variant arm trains its fork with its overrides; the harness's
+JSON reads the arms back."""
 
 from __future__ import annotations
 
@@ -33,17 +34,17 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     stage04.finish(verifier.run(stage04, check_speculators=False))
     monkeypatch.chdir(REPO)
 
-    fork = peers.train_arm(rd.root, epochs=2)  # the fork runs with the run's own config.yaml
+    fork = peers.train_arm(rd.root, "speculators_cli")  # the fork runs with the run's own config.yaml
     frd = RunDir(fork, load_config(fork / "config.yaml", [f"run.name={fork.name}"]))
     # speculators' defaults, not the workbook's: its optimizer (muon), its learning rate and seed; the run's rows
     flat = TrainConfig.resolve(["--config", str(fork / "draft" / "checkpoints" / "run.yaml")]).flatten()
-    assert (flat["optimizer"], flat["lr"], flat["seed"], flat["epochs"]) == ("muon", 1e-3, 42, 2)
+    assert (flat["optimizer"], flat["lr"], flat["seed"], flat["epochs"]) == ("muon", 1e-3, 42, cfg.train.epochs)
     assert flat["train_data_ratio"] == pytest.approx(train.inputs_from_run(frd).train_ratio)
     assert flat["data_path"] == str(frd.output("02", "dataset")) and flat["hidden_states_backend"] == "fp8"
     # its draft is the fork's stage 05: reloadable, with speculators' own validation metrics
     m05 = frd.read_manifest("05")
     ckpt = frd.output("05", "checkpoint")
-    assert ckpt.name == "1" and train.reload_checkpoint(ckpt) is not None
+    assert ckpt.name == str(cfg.train.epochs - 1) and train.reload_checkpoint(ckpt) is not None
     assert 1.0 <= m05["metrics"]["val_eal"] <= 1.0 + cfg.train.ttt_steps
     assert m05["metrics"]["trained_by"] == "speculators train" and m05["metrics"]["global_step"] > 0
     stage06 = StageRun(get_stage("06"), frd.cfg, frd)
@@ -51,15 +52,36 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     # the base run (the workbook arm) is untouched: no draft of its own yet
     assert not rd.path("draft").exists()
 
+    # the workbook with speculators' optimizer defaults: its own stage 05 on another fork, the overrides recorded
+    variant = peers.train_arm(rd.root, "workbook_muon")
+    vrd = RunDir(variant, load_config(variant / "config.yaml", [f"run.name={variant.name}"]))
+    assert (vrd.cfg.train.optimizer, vrd.cfg.train.scheduler, vrd.cfg.train.lr) == ("muon", "linear", 1e-3)
+    assert json.loads((variant / "draft" / "result.json").read_text())["optimizers"] == ["Muon", "AdamW"]
+
     out = tmp_path / "peers.json"
-    result = peers.report(rd.root, [2, 5], out, "tiny CPU check")
-    arm = result["arms"]["speculators_cli_e2"]
+    result = peers.report(rd.root, ["speculators_cli", "workbook_muon", "workbook_epochs_x2"], out, "tiny CPU check")
+    arm = result["arms"]["speculators_cli"]
     assert arm["val_eal"] == m05["metrics"]["val_eal"] and arm["train_tokens"] > 0
+    assert result["arms"]["workbook_muon"]["optimizers"] == ["Muon", "AdamW"]
     assert "skipped" in result["arms"]["specforge"] and json.loads(out.read_text())["arms"].keys() == result["arms"].keys()
-    assert "speculators_cli_e5" not in result["arms"]  # never trained: no fork
-    # a fork whose training failed is reported as failed, with its log's last line
+    assert "workbook_epochs_x2" not in result["arms"]  # never trained: no fork
+    # the workbook arm has no draft here: reported as failed, as is a fork whose training failed, with its log's
+    # last line
+    assert "failed" in result["arms"]["workbook"]
     (fork / "manifests" / "05_train_draft.json").unlink()
     (fork / "draft" / "speculators_train.log").write_text("...\nValueError: what went wrong\n")
-    failed = peers.report(rd.root, [2], out, "tiny CPU check")["arms"]["speculators_cli_e2"]
+    failed = peers.report(rd.root, ["speculators_cli"], out, "tiny CPU check")["arms"]["speculators_cli"]
     assert "failed" in failed and "ValueError: what went wrong" in failed["failed"]
-    assert out.with_suffix(".md").read_text().count("\n") == len(result["arms"]) + 2  # header, rule, one row each
+    assert out.with_suffix(".md").read_text().count("\n") == 3 + 2  # header, rule, one row per arm
+
+
+def test_paired_difference_over_the_categories_both_arms_answered():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peers
+
+    ref = {"tau_by_category": {"mt_bench/writing": 1.8, "mt_bench/math": 2.0, "gsm8k/gsm8k": 2.2}}
+    arm = {"tau_by_category": {"mt_bench/writing": 1.9, "mt_bench/math": 2.3, "humaneval/humaneval": 3.0}}
+    d = peers.paired_difference(arm, ref)
+    assert d["categories"] == 2 and d["mean"] == pytest.approx(0.2)
+    assert d["standard_error"] == pytest.approx(0.1)  # differences 0.1 and 0.3: sd 0.1414, / sqrt(2)
+    assert peers.paired_difference({"tau_by_category": {"gsm8k/gsm8k": 2.0}}, ref) is None  # one cell: no spread
