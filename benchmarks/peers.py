@@ -55,6 +55,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # recipe.run_summary
 
 CLI_ARM = "speculators_cli"
 # the workbook's stage 05 again on a fork, with these train.* overrides (a function of the run's train section)
@@ -72,7 +73,6 @@ SPECFORGE_SKIPPED = (
     "transformers==5.8.1; the GPU host's image has none of them (transformers 5.17.0, which vLLM 0.26 and the "
     "workbook use) and reaches no package index, and its offline mode trains on hidden states that SGLang "
     "captures in SpecForge's own format, not on these shards")
-GPU_STAGES = ("02", "05", "06")
 
 
 def fork_name(run: str, arm: str) -> str:
@@ -222,32 +222,25 @@ SERVE = "vllm serve"  # stage 06's row for the draft's server
 
 
 def arm_summary(run_dir: Path) -> dict[str, Any]:
-    """One arm's figures, from its manifests and files; a fork without a draft says where its log is."""
+    """One arm's figures (`recipe.run_summary`'s, the held-out and MT-Bench tau under the names this JSON has
+    always used, who trained it, its tau per category); a fork without a draft says where its log is."""
+    from recipe import run_summary
+
     from eagle3lib.evaluate.report import read_manifests
 
-    ms = read_manifests(run_dir)
-    if "05" not in ms:
-        logs = [run_dir / "draft" / "speculators_train.log"]
-        last = next((f"{f.name}: {f.read_text().strip().splitlines()[-1][:300]}" for f in logs
-                     if f.is_file() and f.read_text().strip()), None)
-        return {"run": run_dir.name, "failed": "no draft: stage 05 did not finish" + (f" (last line of {last})"
-                                                                                      if last else "")}
-    m02, m05, m06 = (ms.get(s, {}).get("metrics", {}) for s in ("02", "05", "06"))
-    result = json.loads((run_dir / "draft" / "result.json").read_text()) if (run_dir / "draft" / "result.json").is_file() else {}
-    seconds = {m["stage"]: m.get("seconds") for m in ms.values()}
+    if "05" not in read_manifests(run_dir):
+        log = run_dir / "draft" / "speculators_train.log"
+        last = log.read_text().strip().splitlines()[-1][:300] if log.is_file() and log.read_text().strip() else None
+        return {"run": run_dir.name, "failed": "no draft: stage 05 did not finish" + (
+            f" (last line of {log.name}: {last})" if last else "")}
+    summary = run_summary(run_dir)
+    result = json.loads((run_dir / "draft" / "result.json").read_text())
+    taus = summary["tau_by_benchmark"]
     return {"run": run_dir.name, "trained_by": result.get("trained_by", "eagle3lib (speculators' Trainer)"),
-            "optimizers": result.get("optimizers"),
-            "tau_heldout": (m06.get("tau") or {}).get(SERVE),
-            "tau_mt_bench": ((m06.get("tau_by_benchmark") or {}).get("mt_bench") or {}).get(SERVE),
-            "tau_by_benchmark": {b: t.get(SERVE) for b, t in (m06.get("tau_by_benchmark") or {}).items()},
-            "tau_by_category": category_taus(run_dir),
-            "speedup_by_concurrency": m06.get("serve_speedup_by_concurrency"),
-            "val_eal": result.get("val_eal"), "val_full_acc": result.get("val_full_acc"),
-            "train_tokens": result.get("train_tokens"), "optimizer_steps": result.get("global_step"),
-            "train_seconds": result.get("train_seconds"), "stage_seconds": seconds,
-            "gpu_seconds": round(sum(v or 0 for m in ms.values() if m["stage"][:2] in GPU_STAGES
-                                     for v in [m.get("seconds")]), 1),
-            "disk_bytes": m02.get("bytes"), "command": result.get("command")}
+            "tau_heldout": taus.get("heldout"), "tau_mt_bench": taus.get("mt_bench"),
+            **{k: v for k, v in summary.items() if k != "run"},
+            "tau_by_category": category_taus(run_dir), "val_full_acc": result.get("val_full_acc"),
+            "command": result.get("command")}
 
 
 def category_taus(run_dir: Path) -> dict[str, float]:
@@ -301,7 +294,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The arms as one table: tau held-out and per benchmark, the paired difference to the workbook arm, then
     validation EAL and what the arm cost."""
     benches = list(dict.fromkeys(b for arm in result["arms"].values() for b in arm.get("tau_by_benchmark") or {}))
-    cols = ["tau_heldout", *(f"tau_{b}" for b in benches), "tau_vs_workbook", "val_eal", "train_tokens",
+    cols = [*(f"tau_{b}" for b in benches), "tau_vs_workbook", "val_eal", "train_tokens",
             "optimizer_steps", "train_seconds", "gpu_seconds", "disk_bytes"]
 
     def cell(arm: dict[str, Any], c: str) -> str:

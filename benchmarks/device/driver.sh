@@ -19,7 +19,8 @@
 # seconds a stage run may take (default 1800).
 #
 # STEPS: what each runs -> what it writes, and what it took on one H200 (stage runs land in outputs/<run>/):
-#   recipe       GPU 0: $CONFIG, stages 00-06 as $RUN | GPU 1: the EAGLE-1-style row, the same data with the draft on
+#   recipe       GPU 0: $CONFIG, stages 00-06 as $RUN (one GPU: -> $RES/recipe_<run>.json, benchmarks/recipe.py)
+#                | GPU 1: the EAGLE-1-style row, the same data with the draft on
 #                one near-final layer (target.layer_ids=[$EAGLE1_LAYER]: default 29, SmolLM2's; 27 for the 1.5B
 #                Qwen). SmolLM2 recipe 1,300-1,520 s; the 1.5B recipe ~1,040 s with its target's conversion
 #   eagle1       GPU 0: the EAGLE-1-style run alone ($RUN-eagle1, evaluate.methods=[serve, ngram]: n-gram lookup as a
@@ -145,7 +146,10 @@ launch)
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli workbook_muon}" \
     "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" > "$RES/plan.env"
-  setsid nohup bash benchmarks/device/driver.sh plan > "$RES/plan.log" 2>&1 < /dev/null &
+  # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
+  # edited driver.sh under a running plan ends it with a syntax error)
+  cp benchmarks/device/driver.sh "$RES/driver.sh"
+  setsid nohup bash "$RES/driver.sh" plan > "$RES/plan.log" 2>&1 < /dev/null &
   sleep 20; cat "$RES/plan.log"
   ;;
 poll)
@@ -189,6 +193,8 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       if [ "$g1" = 0 ]; then  # one GPU (and one 64 GB disk): the recipe alone, its clock undisturbed
         step "recipe (GPU 0)"
         run_on 0 recipe --run "$RUN"
+        python3 benchmarks/recipe.py --run-dir "outputs/$RUN" --out "$RES/recipe_$RUN.json" \
+          --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=recipe, $CONFIG" > "$RES/recipe_json.log" 2>&1
       else
         step "recipe (GPU 0) | EAGLE-1 style (GPU $g1)"
         run_on 0 recipe --run "$RUN" &

@@ -122,3 +122,28 @@ def test_compare_without_benchmarks_or_a_sweep_has_no_such_columns_and_no_catego
                       "τ vLLM": "—", "τ serve": "—", "tokens per step": "—", "per position": "—",
                       "train s": "12.500", "stages s": "12.500"}]
     assert "τ by benchmark category" not in text and "×c=N" not in text
+
+
+def test_a_runs_result_json_reads_the_same_rows_as_compare(tmp_path):
+    """benchmarks/recipe.py (a recipe run's result JSON, and each arm of benchmarks/peers.py): τ held-out and per
+    benchmark from the server's row where the run has one, else the embedded decoder's, beside the stage seconds."""
+    import sys
+
+    from eagle3lib.rundir import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from recipe import run_summary
+
+    small, qwen = _runs(tmp_path)
+    s = run_summary(small)
+    assert s["tau_row"] == SERVE and s["tau_by_benchmark"] == {"heldout": 2.3371, "mt_bench": 2.5689}
+    assert s["speedup_by_concurrency"] == {"1": 1.3043, "4": 0.9563, "16": 0.8184}
+    assert s["stage_seconds"] == {"02": 40.0, "05": 100.0, "06": 60.0} and s["gpu_seconds"] == 200.0
+    assert s["val_eal"] == 2.5 and s["train_tokens"] is None  # no draft/result.json: stage 05's manifest alone
+    assert run_summary(qwen)["tau_by_benchmark"] == {"heldout": 2.9, "mt_bench": 3.1, "alpaca_eval": 2.7}
+    embedded_only = _write_run(tmp_path / "embedded", [2, 15, 27, 30], 2.0, {"05": 10.0}, {
+        "by_method": {EMBEDDED: _acc(1.9)},
+        "tau_by_benchmark": {"mt_bench": {"by_method": {EMBEDDED: _acc(2.2)}}}})
+    s = run_summary(embedded_only)
+    assert s["tau_row"] == EMBEDDED and s["tau_by_benchmark"] == {"heldout": 1.9, "mt_bench": 2.2}
+    assert run_summary(tmp_path / "nothing")["tau_by_benchmark"] == {}  # no stage 06: no τ, no error
