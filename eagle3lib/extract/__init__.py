@@ -5,7 +5,8 @@ The steps, each in its own module:
                     evaluation benchmarks, read into one record shape
     dedup.py        what "the same prompt" means: no training conversation overlaps an evaluation prompt
     prepare.py      the held-out split, benchmarks and dedup, self-distillation, chat-template tokens with a loss mask
-    synth.py        self_instruct prompts written by the target (training only, kept apart from the eval split)
+    synth.py        self_instruct and magpie prompts written by the target (training only, kept apart from the
+                    eval split)
     generators.py   the swappable text generator (transformers | vLLM) behind one resume cache
     capture.py      the backend-neutral capture loop: validated, resumable shards, token_freq, the dataset table
     probe.py        the capture probe before the first shard: a few rows checked against the engine itself and a

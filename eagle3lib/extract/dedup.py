@@ -1,8 +1,8 @@
 """What "the same prompt" means, in one place: the rule that keeps evaluation prompts out of the training data.
 
 Why one module: stage 02 drops every training conversation that shares a prompt with an evaluation prompt (the
-held-out split and every `evaluate.benchmarks` set), and self_instruct drops every request the target writes that
-does; both must mean the same thing by "shares".
+held-out split and every `evaluate.benchmarks` set), and self_instruct and magpie drop every request the target
+writes that does; both must mean the same thing by "shares".
 
 The rule, on normalized text (`normalize`: case folded, every run of punctuation and whitespace one space):
 - equal, or

@@ -7,11 +7,11 @@ known before generation, the same way `prepare.prepare` builds the rows:
 - the records of every readable source (bundled, jsonl, hf_disk, and the package sets: sharegpt, alpaca_eval,
   arena_hard, writingbench, streamed and capped by `limit`), de-duplicated, minus the held-out prompts (the few
   conversations that overlap an `evaluate.benchmarks` prompt are not subtracted: the estimate errs high);
-  `self_instruct` sources count `limit` prompts of at most their `max_new_tokens` tokens; `data.num_samples` caps the
-  pool before `replies` multiplies it;
+  `self_instruct` and `magpie` sources (the target writes their prompts) count `limit` prompts of at most their
+  `max_new_tokens` tokens; `data.num_samples` caps the pool before `replies` multiplies it;
 - per row: the chat template's own tokens + the prompt's tokens + the reply: `data.gen_max_new_tokens` per user turn
   when the target writes the replies (a reply may stop sooner: this part is an upper bound), the reply's own tokens
-  otherwise; a `followup_prob` share of self_instruct rows gets a second request and reply; capped at
+  otherwise; a `followup_prob` share of generated rows gets a second request and reply; capped at
   `data.max_length`.
 A source that cannot be read before stage 02 (a hub dataset) counts `limit` (else 10,000) rows at `data.max_length`.
 Tokens are counted with the target's tokenizer for the first EXACT_TEXTS texts and from their characters per token
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import WorkbookConfig
+from eagle3lib.config import GENERATED_KINDS, WorkbookConfig
 from eagle3lib.extract.sources import load_source, prompt_key
 from eagle3lib.target import load_tokenizer
 
@@ -93,7 +93,7 @@ def estimate_data(cfg: WorkbookConfig, model_dir: Path | None) -> DataEstimate:
     held_out = d.eval_samples
     for src in d.sources:
         before = len(pool)
-        if src.kind == "self_instruct":
+        if src.kind in GENERATED_KINDS:
             reply = d.gen_max_new_tokens if d.self_distill else 0
             one = min(d.max_length, overhead + src.max_new_tokens + reply)
             two = min(d.max_length, 2 * (overhead + src.max_new_tokens + reply))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import atomic, jsonl
-from eagle3lib.config import WorkbookConfig
+from eagle3lib.config import GENERATED_KINDS, WorkbookConfig
 from eagle3lib.errors import WorkbookError
 from eagle3lib.extract.dedup import EvalIndex
 from eagle3lib.extract.engine_pool import EnginePoolGenerator
@@ -282,15 +282,16 @@ class Prepared:
 
 
 def prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: bool = True) -> Prepared:
-    """Sources → eval split → benchmarks and dedup → (self-instruct prompts) → (self-distillation, follow-up turns)
-    → tokenized rows; writes data/eval.jsonl, data/bench_<name>.jsonl and data/train.jsonl. One generator serves
-    every generation step and is freed before returning (extraction loads the target again)."""
+    """Sources → eval split → benchmarks and dedup → (prompts the target writes: self_instruct, magpie) →
+    (self-distillation, follow-up turns) → tokenized rows; writes data/eval.jsonl, data/bench_<name>.jsonl and
+    data/train.jsonl. One generator serves every generation step and is freed before returning (extraction loads
+    the target again)."""
     d = cfg.data
     records, source_stats = read_sources(cfg)
-    synth_sources = [s for s in d.sources if s.kind == "self_instruct"]
+    synth_sources = [s for s in d.sources if s.kind in GENERATED_KINDS]
     if not records and (d.eval_samples > 0 or not synth_sources):
         raise WorkbookError("the data sources hold no conversations" + (
-            " (held-out prompts never come from self_instruct)" if synth_sources else ""),
+            f" (held-out prompts never come from {' or '.join(GENERATED_KINDS)})" if synth_sources else ""),
             "add records or another source in data.sources (e.g. {kind: bundled})")
     evals, pool = split_eval(records, d.eval_samples, cfg.run.seed) if records else ([], [])
     shared_with_held_out = len(records) - len(evals) - len(pool)  # split_eval's own drop: the same user turn
@@ -322,17 +323,17 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
              evals: list[dict[str, Any]], pool: list[dict[str, Any]], stats: dict[str, Any],
              index: EvalIndex) -> Prepared:
     d = cfg.data
-    synth_sources = [s for s in d.sources if s.kind == "self_instruct"]
+    synth_sources = [s for s in d.sources if s.kind in GENERATED_KINDS]
     if synth_sources:
         from eagle3lib.extract import synth
 
         train_texts = [m["content"] for r in pool for m in r["messages"] if m["role"] == "user"]
         for j, src in enumerate(synth_sources):
-            recs, st = synth.self_instruct(cfg, src, j, gen, tok, index, train_texts,
-                                           data_dir / "self_instruct_cache.jsonl", progress)
+            recs, st = synth.WRITERS[src.kind](cfg, src, j, gen, tok, index, train_texts,
+                                               data_dir / "self_instruct_cache.jsonl", progress)
             pool = pool + recs
             train_texts += [r["messages"][0]["content"] for r in recs]
-            stats.setdefault("self_instruct", []).append(st)
+            stats.setdefault(src.kind, []).append(st)
     rng = random.Random(cfg.run.seed + 1)
     rng.shuffle(pool)
     if d.num_samples is not None:
@@ -350,7 +351,7 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
         cache = data_dir / "distill_cache.jsonl"
         variants = [r.get("variant", 0) for r in pool]
         convs, stats["self_distill"] = self_distill(cfg, model_dir, tok, convs, cache, progress, gen, variants)
-        # multi-turn: a seeded share of each self_instruct source's conversations gets a second user turn,
+        # multi-turn: a seeded share of each generated source's conversations gets a second user turn,
         # written by the target after its distilled reply; then distilled again (turn 1 comes from the cache)
         chosen = [ci for ci, r in enumerate(pool) if "synth_source" in r and random.Random(
             f"{cfg.run.seed}:followup:{prompt_key(r['messages'])}").random()

