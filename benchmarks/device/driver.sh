@@ -16,7 +16,8 @@
 #   plan     (launch starts it) the config's target converted once, then each step of STEPS in order; then DONE
 # Settings: CONFIG (default configs/smollm2-h200.yaml), RUN (its run name, default smollm2-h200), STEPS (default
 # recipe_ab), and each step's own below (PEER_ARMS, PEER_GEN_ENGINES, PEER_SERVE_ARGS: the peers step's). LIMIT:
-# seconds a stage run may take (default 1800).
+# seconds a stage run may take (default 1800). REPLIES_FROM: runs whose committed replies caches a run starts from
+# besides its own (unpack_replies).
 #
 # STEPS: what each runs -> what it writes, and what it took on one H200 (stage runs land in outputs/<run>/):
 #   recipe       GPU 0: $CONFIG, stages 00-06 as $RUN (one GPU: -> $RES/recipe_<run>.json, benchmarks/recipe.py)
@@ -46,7 +47,8 @@
 #                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli workbook_muon: benchmarks/
 #                peers.py) on its fork, then stage 06 of all of them side by side (k = 3, concurrency 1)
 #                -> $RES/peers_<run>.json. The 1.5B without the cache: 00-04 524 s, 05 328 s, 06 288 s (one arm)
-#   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE online: $CONFIG's sources scaled by GEN_SCALE (default 4),
+#   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE ($RUN at GEN_SCALE=1) online: $CONFIG's sources scaled by
+#                GEN_SCALE (default 4; 1 = the config's own, e.g. configs/qwen-coder-1.5b-x4-h200.yaml),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
 #                written); the replies caches come back as caches.txz.* (xz, 15 MiB parts) once the plan is done or
 #                with FINAL=1 (committed as benchmarks/device/caches/<run>.tar.xz). x4 on 4 engines: ~790 s
@@ -125,6 +127,21 @@ print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': 
 # a run's fork (eagle3lib.rundir.fork_run: hard links, no bytes copied): $1 = the run, $2 = the fork's name
 fork() { python3 -c "import sys; from eagle3lib.rundir import fork_run; fork_run(*sys.argv[1:])" "outputs/$1" "outputs/$2"; }
 has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
+# the run gen_data and curve_online work on: $RUN at GEN_SCALE 1 (a config whose sources are already the data
+# wanted), else $RUN-x$GEN_SCALE
+gen_run() { if [ "${GEN_SCALE:-4}" = 1 ]; then echo "$RUN"; else echo "$RUN-x${GEN_SCALE:-4}"; fi; }
+# the committed replies caches (benchmarks/device/caches/<run>.tar.xz: gen_data's or peers' caches brought back) of
+# run $1 and of the runs in REPLIES_FROM (another config's run whose prompts this one shares: the caches are keyed by
+# prompt and settings, not by run), appended into outputs/$1/data unless that folder exists: stage 02 then generates
+# only what none of them has
+unpack_replies() { local dest=$1 r c f
+  [ -d "outputs/$dest/data" ] && return 0
+  for r in "$dest" ${REPLIES_FROM:-}; do
+    c="benchmarks/device/caches/$r.tar.xz"; [ -f "$c" ] || continue
+    step "replies from $c"; rm -rf /tmp/replies && mkdir -p /tmp/replies "outputs/$dest/data"
+    xz -dc "$c" | tar x -C /tmp/replies
+    for f in /tmp/replies/outputs/*/data/*_cache.jsonl; do cat "$f" >> "outputs/$dest/data/${f##*/}"; done
+  done; rm -rf /tmp/replies; }
 small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
 # stages 05-06 of the small run in a fork: $1 = GPU, $2 = arm name (a | b), the rest = overrides
 small_arm() { local gpu=$1 arm=$2; shift 2; has_states "$SRUN" || return 0
@@ -141,11 +158,11 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q REPLIES_FROM=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli workbook_muon}" \
-    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" > "$RES/plan.env"
+    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${REPLIES_FROM:-}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
   cp benchmarks/device/driver.sh "$RES/driver.sh"
@@ -166,7 +183,7 @@ poll)
   done
   pack_runs "$OUT/runs.tgz"; df -h /tmp | tail -n 1
   # gen_data's replies caches (only once the plan is done or this is the last poll: FINAL=1; xz on every core)
-  caches=""; [[ " $STEPS " == *" gen_data "* ]] && caches=$(ls outputs/"$RUN"-x"${GEN_SCALE:-4}"/data/*_cache.jsonl 2>/dev/null)
+  caches=""; [[ " $STEPS " == *" gen_data "* ]] && caches=$(ls outputs/"$(gen_run)"/data/*_cache.jsonl 2>/dev/null)
   [[ " $STEPS " == *" peers "* ]] && caches=$(ls outputs/"$RUN"/data/*_cache.jsonl 2>/dev/null)
   if [ -n "$caches" ] && { [ -f "$RES/DONE" ] || [ "${FINAL:-0}" = 1 ]; }; then
     rm -f "$OUT"/caches.txz.*
@@ -192,6 +209,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
     recipe)
       if [ "$g1" = 0 ]; then  # one GPU (and one 64 GB disk): the recipe alone, its clock undisturbed
         step "recipe (GPU 0)"
+        unpack_replies "$RUN"
         run_on 0 recipe --run "$RUN"
         python3 benchmarks/recipe.py --run-dir "outputs/$RUN" --out "$RES/recipe_$RUN.json" \
           --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=recipe, $CONFIG" > "$RES/recipe_json.log" 2>&1
@@ -257,8 +275,9 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
         --out "$RES/generate_multiturn_$RUN.json" > "$RES/generate_multi.log" 2>&1
       ;;
     gen_data)
-      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
+      x=${GEN_SCALE:-4}; grun=$(gen_run); gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
         -p "data.gen_engines=${GEN_ENGINES:-4}")
+      unpack_replies "$grun"
       step "stages 00-02 of $grun online: ${x}x the recipe's data, ${GEN_ENGINES:-4} generator engines"
       run_on 0 gen_data --run "$grun" --stages 00-02 "${gargs[@]}"
       if ! grep -q "gen_data exit 0 " "$RES/gen_data.log"; then
@@ -276,10 +295,9 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # a missed cache then generates on as many engines). Several forks run side by side on GPU 0 (how much they
       # slow each other is not measured): their stage times are then those of runs sharing one GPU (say so in the
       # result's note)
-      x=${GEN_SCALE:-4}; grun=$RUN-x$x; gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
+      x=${GEN_SCALE:-4}; grun=$(gen_run); gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \
         -p "data.gen_engines=${GEN_ENGINES:-4}")
-      c="benchmarks/device/caches/$grun.tar.xz"  # without one, stage 02 generates every reply
-      [ -d "outputs/$grun/data" ] || [ ! -f "$c" ] || xz -dc "$c" | tar x
+      unpack_replies "$grun"  # without a cache, stage 02 generates every reply
       has_states "$grun" || { step "stages 00-02, 04 of $grun online from the cached replies"
                               run_on 0 curve_base --run "$grun" --stages 00-02,04 "${gargs[@]}"; }
       for f in ${CURVE:-1}; do
@@ -303,8 +321,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
           -p "evaluate.serve_args=${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}")
       pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
       arms=${PEER_ARMS:-speculators_cli workbook_muon}
-      c="benchmarks/device/caches/$RUN.tar.xz"
-      [ -d "outputs/$RUN/data" ] || [ ! -f "$c" ] || { step "replies from $c"; xz -dc "$c" | tar x; }
+      unpack_replies "$RUN"
       if ! has_states "$RUN"; then
         step "stages 00-04 of $RUN (${PEER_GEN_ENGINES:-2} generator engines)"
         run_on 0 peers_base --run "$RUN" --stages 00-04 "${pg[@]}"
