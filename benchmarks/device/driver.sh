@@ -42,7 +42,10 @@
 #   generate     GPU 0: benchmarks/generate.py with ENGINES (default "1 2 4") vLLM engines side by side, 420 s at most
 #                a variant -> $RES/generate_engines_h200.json. 1 engine ~130 s, 2 ~80 s, 4 started in turn > 240 s
 #   generate_multi  GPU 0: stage 02's self-distillation (continuous multi-turn scheduling) on $CONFIG's own
-#                conversations, fresh cache, on each of ENGINES engines -> $RES/generate_multiturn_<run>.json (not run)
+#                conversations, fresh cache, the recipe's generator setting, on each of ENGINES engines, each also
+#                answering the conversations' first turns in one call; then plain vLLM (vllm.LLM(...).generate at
+#                its defaults) on those first turns: tokens/s by engines against plain vLLM in one run
+#                -> $RES/generate_multiturn_<run>.json (not run; the first-turn passes and the plain arm add ~5 min)
 #   peers        GPU 0: $RUN's stages 00-04 (replies from benchmarks/device/caches/$RUN.tar.xz where it exists), the
 #                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli workbook_muon: benchmarks/
 #                peers.py) on its fork, then stage 06 of all of them side by side (k = 3, concurrency 1)
@@ -267,11 +270,15 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       ;;
     generate_multi)
       # stage 02's self-distillation itself (continuous multi-turn scheduling) on $CONFIG's own conversations from a
-      # fresh cache, on each of ENGINES engines -> $RES/generate_multiturn_$RUN.json (benchmarks/generate.py
-      # --multi-turn; the recipe's replies: 384 new tokens, its generator settings)
-      step "self-distillation on ${ENGINES:-1 2 4} engines: $CONFIG's conversations"
-      CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/generate.py --config "$CONFIG" --multi-turn \
-        --prompts 100000 --max-new-tokens 384 --temperatures 0.0 --engines ${ENGINES:-1 2 4} --timeout 480 \
+      # fresh cache, on each of ENGINES engines, then the same engines on the conversations' first turns in one call
+      # (--first-turns), then plain vLLM on those first turns (--vllm-offline: it has no multi-turn scheduling)
+      # -> $RES/generate_multiturn_$RUN.json: tokens_per_s_by_engines, vllm_offline_tokens_per_s and the ratios
+      # (benchmarks/generate.py --multi-turn; the recipe's replies: 384 new tokens, its generator setting: a variant
+      # replaces the config's data.gen_vllm_args, so it is passed, as bench_generate passes it)
+      step "self-distillation on ${ENGINES:-1 2 4} engines and plain vLLM: $CONFIG's conversations"
+      CUDA_VISIBLE_DEVICES=0 timeout 1800 python3 benchmarks/generate.py --config "$CONFIG" --multi-turn \
+        --prompts 100000 --max-new-tokens 384 --temperatures 0.0 --variants "$GEN_RECIPE" \
+        --engines ${ENGINES:-1 2 4} --first-turns --vllm-offline --timeout 540 \
         --out "$RES/generate_multiturn_$RUN.json" > "$RES/generate_multi.log" 2>&1
       ;;
     gen_data)
