@@ -218,12 +218,9 @@ def run_stage(fork: Path, stages: str, overrides: list[str]) -> None:
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
-SERVE = "vllm serve"  # stage 06's row for the draft's server
-
-
 def arm_summary(run_dir: Path) -> dict[str, Any]:
-    """One arm's figures (`recipe.run_summary`'s, the held-out and MT-Bench tau under the names this JSON has
-    always used, who trained it, its tau per category); a fork without a draft says where its log is."""
+    """One arm's figures (`recipe.run_summary`'s, the held-out and MT-Bench tau also as tau_heldout and
+    tau_mt_bench, who trained it, its tau per category); a fork without a draft says where its log is."""
     from recipe import run_summary
 
     from eagle3lib.evaluate.report import read_manifests
@@ -246,6 +243,8 @@ def arm_summary(run_dir: Path) -> dict[str, Any]:
 def category_taus(run_dir: Path) -> dict[str, float]:
     """The draft server's tau per benchmark category ("mt_bench/writing", "gsm8k/gsm8k", ...) from stage 06's
     results: the cells two arms are paired on (the same questions asked of both)."""
+    from eagle3lib.evaluate.keys import SERVE
+
     path = run_dir / "eval" / "results.json"
     if not path.is_file():
         return {}
