@@ -350,6 +350,14 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       run_on 0 peers_workbook_06 --run "$RUN" --stages 06 "${pg[@]}" "${pe[@]}" &
       for a in $arms; do sleep 20; peers_py "peers_eval_$a" evaluate --arm "$a" "${pe[@]}" & done
       wait
+      # a stage 06 that failed beside the others runs again alone, with vLLM's own memory settings
+      pe_alone=("${pe[@]:0:4}" -p "evaluate.serve_args=[]")
+      grep -q "peers_workbook_06 exit 0 " "$RES/peers_workbook_06.log" || { free_gpus
+        step "stage 06 of the workbook again, alone"; run_on 0 peers_workbook_06_alone --run "$RUN" --stages 06 "${pg[@]}" "${pe_alone[@]}"; }
+      for a in $arms; do
+        grep -q "peers_eval_$a exit 0 " "$RES/peers_eval_$a.log" || { free_gpus
+          step "stage 06 of $a again, alone"; peers_py "peers_eval_${a}_alone" evaluate --arm "$a" "${pe_alone[@]}"; }
+      done
       # shellcheck disable=SC2086 - arms is a list of names
       python3 benchmarks/peers.py report --run-dir "outputs/$RUN" --arms $arms --out "$RES/peers_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers PEER_ARMS='$arms', $CONFIG ${pg[*]} ${pe[*]}; training side by side, stage 06 side by side" \
