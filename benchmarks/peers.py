@@ -293,7 +293,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The arms as one table: tau held-out and per benchmark, the paired difference to the workbook arm, then
     validation EAL and what the arm cost."""
     benches = list(dict.fromkeys(b for arm in result["arms"].values() for b in arm.get("tau_by_benchmark") or {}))
-    cols = [*(f"tau_{b}" for b in benches), "tau_vs_workbook", "val_eal", "train_tokens",
+    cols = [*(f"tau_{b}" for b in benches), "tau_vs_workbook", "val_eal", "val_tau_walk", "train_tokens",
             "optimizer_steps", "train_seconds", "gpu_seconds", "disk_bytes"]
 
     def cell(arm: dict[str, Any], c: str) -> str:

@@ -5,7 +5,7 @@
 
 From the run folder alone (manifests, draft/result.json, eval/results.json), so it reads a run brought back from the
 GPU host as well as one made here:
-  train_tokens, train_rows, optimizer_steps, epochs, optimizers, val_eal, train_seconds   (stage 05)
+  train_tokens, train_rows, optimizer_steps, epochs, optimizers, val_eal, val_tau_walk, train_seconds   (stage 05)
   tau_by_benchmark      {"heldout": ..., "mt_bench": ..., ...}: the draft's tau on the held-out prompts and on each
                         evaluate.benchmarks set, from the server's counters where the serve step ran (else the
                         embedded decoder, else vLLM in-process: `eagle3lib.evaluate.report.COMPARE_LIVE`), and which
@@ -50,6 +50,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
             "train_tokens": draft.get("train_tokens"), "train_rows": draft.get("train_rows"),
             "optimizer_steps": draft.get("global_step"), "epochs": draft.get("epochs_done"),
             "optimizers": draft.get("optimizers"), "val_eal": draft.get("val_eal") or m05.get("val_eal"),
+            "val_tau_walk": draft.get("val_tau_walk"),
             "train_seconds": draft.get("train_seconds"),
             "tau_by_benchmark": taus if row else {}, "tau_row": row,
             "speedup_by_concurrency": serve.get("speedup_by_concurrency"),

@@ -2,7 +2,9 @@
 
 `draft/curves.json` holds, for train steps, train epoch means and validation (the untrained draft first, at epoch -1):
 the loss, and per TTT step s its loss, full_acc_s and cond_acc_s, and the expected acceptance length
-1 + Σ_s full_acc_s (docs/engines.md#speculators-model-and-metrics). A resumed run keeps the history up to its checkpoint.
+1 + Σ_s full_acc_s (docs/engines.md#speculators-model-and-metrics); validation points also τ by walking the replies as
+a decoder would (`tau_walk`, eagle3lib.train.walk: the served τ they predict, below EAL). A resumed run keeps the
+history up to its checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def curve_point(metrics: dict[str, float], ttt_steps: int, suffix: str = "") -> 
         for key in ("loss", "full_acc", "cond_acc"):
             out[f"{key}_{s}"] = float(metrics.get(f"{key}_{s}{suffix}", float("nan")))
     out["eal"] = expected_acceptance_length(metrics, ttt_steps, suffix)
+    for key in ("tau_walk", "eal_uniform"):  # validation only (eagle3lib.train.walk)
+        if f"{key}{suffix}" in metrics:
+            out[key] = float(metrics[f"{key}{suffix}"])
     return out
 
 
@@ -85,6 +90,10 @@ def plot_curves(curves: dict[str, Any], path: str | Path | None = None):
     ep = curves["train_epochs"]
     axes[2].plot([e["step"] for e in ep], [e["eal"] for e in ep], "s-", color="C0", label="train (epoch mean)")
     axes[2].plot(vx, [v["eal"] for v in val], "o-", color="C3", label="validation")
+    walked = [v for v in val if "tau_walk" in v]
+    if walked:  # what a decoder would get on the validation replies (eagle3lib.train.walk): below EAL
+        axes[2].plot([v["step"] for v in walked], [v["tau_walk"] for v in walked], "D--", color="C2",
+                     label="validation τ by walking")
     titles = ["loss per TTT step (lines: train, dots: val)", "full acceptance per TTT step",
               f"expected acceptance length 1 + Σ full_acc (max {k + 1})"]
     for ax, title in zip(axes, titles, strict=True):
@@ -98,7 +107,8 @@ def plot_curves(curves: dict[str, Any], path: str | Path | None = None):
 
 
 def curves_table(curves: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per validation point: epoch, step, loss, full_acc_s, cond_acc_s, expected acceptance length."""
+    """One row per validation point: epoch, step, loss, full_acc_s, cond_acc_s, expected acceptance length, and τ
+    by walking where it was recorded."""
     k = curves["ttt_steps"]
     rows = []
     for v in curves["val"]:
@@ -106,5 +116,7 @@ def curves_table(curves: dict[str, Any]) -> list[dict[str, Any]]:
         row |= {f"full_acc_{s}": round(v[f"full_acc_{s}"], 4) for s in range(k)}
         row |= {f"cond_acc_{s}": round(v[f"cond_acc_{s}"], 4) for s in range(k)}
         row["eal"] = round(v["eal"], 4)
+        if "tau_walk" in v:
+            row["tau_walk"] = round(v["tau_walk"], 4)
         rows.append(row)
     return rows

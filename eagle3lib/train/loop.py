@@ -185,10 +185,20 @@ def _prepare_save_path(save_path: Path, tcfg: TrainSection, draft_vocab_size: in
     return save_path
 
 
+def _validate(trainer: Any, epoch: int) -> dict[str, float] | None:
+    """speculators' validation pass, and τ by walking its replies as a decoder would (`walk.WalkRecorder`: the
+    served τ the validation rows predict, below validation EAL), as `tau_walk_epoch` beside its metrics."""
+    from eagle3lib.train.walk import WalkRecorder
+
+    with WalkRecorder(trainer.model) as walk:
+        val = trainer.val_epoch(epoch)
+    return None if val is None else {**val, **{f"{k}_epoch": v for k, v in walk.metrics().items()}}
+
+
 def _validate_untrained(trainer: Any, ttt_steps: int) -> dict[str, Any]:
     """The untrained draft's validation: the baseline every later epoch must beat. (Sampler epoch 0: the packing
     sampler's empty cache is keyed -1, and validation batches do not depend on the epoch anyway.)"""
-    untrained = trainer.val_epoch(0)
+    untrained = _validate(trainer, 0)
     if not untrained:
         raise WorkbookError("validating the untrained draft produced no batches",
                             "check that stage 02's validation rows have hidden-state shards")
@@ -258,7 +268,7 @@ def _train_epochs(trainer: Any, tcfg: TrainSection, recorder: _StepRecorder, cur
         _barrier()
         val = None
         if (epoch + 1) % tcfg.val_every == 0 or stopping:
-            val = trainer.val_epoch(epoch)
+            val = _validate(trainer, epoch)
         _barrier()
         if last_saved == epoch:
             trainer.maybe_update_best(epoch, val)
@@ -282,6 +292,7 @@ def _result(final: Path, curves_path: Path, curves: dict[str, Any], res: Resolve
         "val_eal_untrained": val_first.get("eal") if val_first.get("epoch") == -1 else None,
         "val_eal": val_last.get("eal"), "val_loss": val_last.get("loss"),
         "val_full_acc": [val_last.get(f"full_acc_{s}") for s in range(ttt_steps)],
+        "val_tau_walk": val_last.get("tau_walk"),
         "train_eal": curves["train_epochs"][-1]["eal"] if curves["train_epochs"] else None,
         "tokens_per_s": trained_tokens / elapsed if elapsed > 0 and trained_tokens else None,
         "train_seconds": round(elapsed, 2),

@@ -14,8 +14,8 @@ from typing import Any
 from eagle3lib.rundir import RunDir, StageResult
 from eagle3lib.train.curves import plot_curves
 
-METRIC_KEYS = ("val_eal", "val_eal_untrained", "val_loss", "val_full_acc", "train_eal", "global_step", "epochs_done",
-               "tokens_per_s", "train_seconds")
+METRIC_KEYS = ("val_eal", "val_tau_walk", "val_eal_untrained", "val_loss", "val_full_acc", "train_eal", "global_step",
+               "epochs_done", "tokens_per_s", "train_seconds")
 
 
 @dataclass
@@ -33,6 +33,6 @@ def summarize(rd: RunDir, trained: dict[str, Any]) -> TrainResult:
     figure = rd.figure_path("05", "curves")
     plot_curves(curves, figure)
     outputs = {"checkpoint": Path(trained["checkpoint"]), "curves": Path(trained["curves"]), "figure": figure}
-    metrics = {k: trained[k] for k in METRIC_KEYS}
+    metrics = {k: trained.get(k) for k in METRIC_KEYS}
     metrics["resolved"] = trained["resolved"]
     return TrainResult(outputs=outputs, metrics=metrics, trained=trained, curves=curves)

@@ -151,6 +151,54 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     assert train.reload_checkpoint(moved / "draft" / "checkpoints" / "2") is not None
 
 
+def test_walk_counts_the_steps_a_decoder_takes():
+    """τ by walking (eagle3lib.train.walk): a step from anchor p moves 1 + its chain, never past the reply's end;
+    the uniform mean weighs the easy half as much as the hard one, a decoder crosses it in a quarter of the steps."""
+    from eagle3lib.train.walk import walk
+
+    mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    chain = torch.tensor([3, 3, 3, 3, 3, 0, 0, 0, 0, 3, 3, 3])
+    # reply 1 (8 tokens): 1 -> 5 -> 6 -> 7 -> 8 -> end: 5 steps; reply 2 (2 tokens): a chain of 3 capped at 1
+    assert walk(chain, mask) == (10, 6)
+    easy_then_hard = torch.tensor([3] * 8 + [0] * 8)
+    tokens, steps = walk(easy_then_hard, torch.ones(16, dtype=torch.bool))
+    assert (tokens, steps) == (16, 10) and 1 + easy_then_hard.float().mean() == 2.5  # τ 1.6 against EAL 2.5
+
+
+def test_tau_by_walking_reads_speculators_own_chains(trained_run):
+    """The chains the walk steps through are speculators' own: from one validation batch, the anchors whose chain
+    reaches step s give exactly its full_acc_s count; stage 05 records τ_walk beside validation EAL."""
+    from speculators.losses import resolve_loss_config
+
+    from eagle3lib.train import inputs_from_run, make_loaders, resolve_settings
+    from eagle3lib.train.walk import WalkRecorder, chains
+
+    cfg, rd, result = trained_run
+    k = cfg.train.ttt_steps
+    model = train.reload_checkpoint(result["checkpoint"]).float().eval()
+    _, val_loader = make_loaders(inputs_from_run(rd), cfg.train, resolve_settings(cfg.train))
+    batch = {key: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+             for key, v in next(iter(val_loader)).items()}
+    with torch.no_grad(), WalkRecorder(model) as rec:  # speculators' eager loss: the fused one needs Triton
+        draft_tokens, _, metrics = model(**batch, ttt_steps=k, loss_config=resolve_loss_config(cfg.train.loss, "eager"))
+    targets = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"]))
+    chain, mask = chains(draft_tokens, targets, batch["loss_mask"]), batch["loss_mask"][0].bool()
+    n = mask.shape[0]
+    for s in range(k):
+        reached = (chain[: n - s] >= s + 1) & mask[s:]
+        assert int(reached.sum()) == int(metrics[f"full_acc_{s}_sum"])
+        assert int(mask[s:].sum()) == int(metrics[f"full_acc_{s}_total"])
+    assert "forward" not in vars(model)  # the recorder leaves the model as it found it
+    walked = rec.metrics()
+    assert walked["walk_tokens"] == int(mask.sum()) and 1.0 <= walked["tau_walk"] <= 1 + k
+    assert walked["eal_uniform"] == pytest.approx(1 + int(chain[mask].sum()) / int(mask.sum()))
+    # stage 05 recorded it at every validation, beside EAL, and in result.json
+    curves = json.loads(rd.path("draft", "curves.json").read_text())
+    assert all(1.0 <= v["tau_walk"] <= 1 + k for v in curves["val"])
+    assert all(v["eal_uniform"] == pytest.approx(v["eal"], abs=0.05) for v in curves["val"])
+    assert result["val_tau_walk"] == curves["val"][-1]["tau_walk"]
+
+
 def test_train_fraction_trains_on_the_first_share_of_the_rows(trained_run, tmp_path):
     """train.train_fraction: stage 05 trains on the first half of stage 02's training rows (a data-volume curve's
     point from the same extraction), validates on all the validation rows, and says so in result.json."""
