@@ -16,7 +16,9 @@ speculators' chain of correctness per anchor exactly as `speculators.models.eagl
 anchor p predicts the target at p + s; the chain starts from the loss mask). Then `walk` steps through each reply
 (a run of loss-mask positions): from anchor p it moves 1 + (steps correct from p) positions, at most to the reply's
 end. τ_walk = tokens / steps. The uniform mean of 1 + chain over the same anchors is validation EAL again (a check
-that the chains are speculators' own: tests/unit/test_train.py compares both with speculators' full_acc).
+that the chains are speculators' own: tests/unit/test_train.py compares both with speculators' full_acc). Stage
+06's offline method walks the same way (`eagle3lib.evaluate.decoder`: its 'path' against its 'all' counts) over the
+workbook's own replay of the draft; this one reads the trained forward itself, at every validation of stage 05.
 One process only: under torchrun (several ranks, sharded weights) nothing is recorded.
 """
 
@@ -30,7 +32,9 @@ import torch
 def walk(chain: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
     """(tokens, steps) of decoding every reply in `mask` (1-D bool: the loss positions; a reply is a run of them)
     where a draft started at anchor p is accepted for chain[p] tokens (1-D ints, 0..k): each step moves
-    1 + chain[p] positions, never past the reply's end."""
+    1 + chain[p] positions, never past the reply's end (the decoder's own walk: `decoder.decode_path`)."""
+    from eagle3lib.evaluate.decoder import decode_path
+
     m = mask.to(torch.int8).tolist()
     c = chain.tolist()
     tokens = steps = 0
@@ -44,9 +48,8 @@ def walk(chain: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
         while end < n and m[end]:
             end += 1
         tokens += end - p
-        while p < end:
-            p += 1 + min(int(c[p]), end - p - 1)
-            steps += 1
+        steps += len(decode_path({q: min(int(c[q]), end - q - 1) for q in range(p, end)}, p, end + 1))
+        p = end
     return tokens, steps
 
 
