@@ -17,8 +17,9 @@ anchor p predicts the target at p + s; the chain starts from the loss mask). The
 (a run of loss-mask positions): from anchor p it moves 1 + (steps correct from p) positions, at most to the reply's
 end. τ_walk = tokens / steps. The uniform mean of 1 + chain over the same anchors is validation EAL again (a check
 that the chains are speculators' own: tests/unit/test_train.py compares both with speculators' full_acc). Stage
-06's offline method walks the same way (`eagle3lib.evaluate.decoder`: its 'path' against its 'all' counts) over the
-workbook's own replay of the draft; this one reads the trained forward itself, at every validation of stage 05.
+06's offline method walks the same way on held-out continuations (`eagle3lib.evaluate.decoder`: its 'path' against
+its 'all' counts; on validation rows it counts every start) over the workbook's own replay of the draft; this one
+reads the trained forward itself, at every validation of stage 05.
 One process only: under torchrun (several ranks, sharded weights) nothing is recorded.
 """
 
@@ -79,13 +80,14 @@ class WalkRecorder:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.tokens = self.steps = self.anchors = self.chain_sum = 0
-        self._had_forward = False
+        self._patched = False
+        self._own_forward = None  # a forward the instance itself held before (restored on exit)
 
     def __enter__(self) -> WalkRecorder:
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             return self  # several ranks, weights possibly sharded: not recorded (module docstring)
-        self._had_forward = "forward" in vars(self.model)
+        self._own_forward = vars(self.model).get("forward")
         original = self.model.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -94,11 +96,17 @@ class WalkRecorder:
             return out
 
         self.model.forward = forward
+        self._patched = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if "forward" in vars(self.model) and not self._had_forward:
+        if not self._patched:
+            return
+        if self._own_forward is not None:
+            self.model.forward = self._own_forward
+        else:
             del self.model.forward
+        self._patched = False
 
     @torch.no_grad()
     def _record(self, batch: dict[str, Any], out: Any) -> None:

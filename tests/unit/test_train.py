@@ -189,6 +189,10 @@ def test_tau_by_walking_reads_speculators_own_chains(trained_run):
         assert int(reached.sum()) == int(metrics[f"full_acc_{s}_sum"])
         assert int(mask[s:].sum()) == int(metrics[f"full_acc_{s}_total"])
     assert "forward" not in vars(model)  # the recorder leaves the model as it found it
+    model.forward = own = model.forward  # an instance that holds a forward of its own keeps it
+    with WalkRecorder(model):
+        assert vars(model)["forward"] is not own
+    assert vars(model)["forward"] is own
     walked = rec.metrics()
     assert walked["walk_tokens"] == int(mask.sum()) and 1.0 <= walked["tau_walk"] <= 1 + k
     assert walked["eal_uniform"] == pytest.approx(1 + int(chain[mask].sum()) / int(mask.sum()))
