@@ -372,10 +372,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # 2026-12-04). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an
       # arm). With the copies and the target: ~1,330 s, most of a 30-minute device budget
       arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")
-      if [ ! -d "outputs/$arun/data" ] && [ -f "benchmarks/device/caches/$RUN-x4.tar.xz" ]; then
-        mkdir -p "outputs/$arun/data" /tmp/x4 && xz -dc "benchmarks/device/caches/$RUN-x4.tar.xz" | tar x -C /tmp/x4 \
-          && mv /tmp/x4/outputs/"$RUN"-x4/data/*_cache.jsonl "outputs/$arun/data/"
-      fi
+      REPLIES_FROM="$RUN-x4 ${REPLIES_FROM:-}" unpack_replies "$arun"
       step "FP8 A/B, arm A: $arun, stages 00-06 with bf16 shards, one epoch"
       run_on 0 fp8ab_a --run "$arun" "${abargs[@]}"
       step "FP8 A/B, arm B: the same rows in FP8 shards (benchmarks/fp8_ab.py)"
