@@ -32,8 +32,18 @@ import importlib.metadata as md, subprocess, sys
 import vllm, speculators, papermill, eagle3lib  # noqa: F401
 pins = subprocess.run([sys.executable, "benchmarks/device/bundle_pins.py", sys.argv[1]], check=True,
                       capture_output=True, text=True).stdout.split()
-wrong = [p for p in pins if md.version(p.split("==")[0]) != p.split("==")[1]]
-assert not wrong, f"not installed at these versions: {wrong}"
+def installed(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+# every one that is missing or at another version, in one message: a bundle built before the config asked for a
+# package lacks it, and a plan started anyway fails at the first stage that reads it
+wrong = [f"{p} (installed: {installed(p.split('==')[0]) or 'none'})" for p in pins
+         if installed(p.split("==")[0]) != p.split("==")[1]]
+if wrong:
+    sys.exit(f"the bundle lacks what {sys.argv[1]} needs: {', '.join(wrong)} -- fix: build the bundle again with "
+             f"CONFIGS={sys.argv[1]} bash benchmarks/device/make_bundle.sh, copy its chunks, install again")
 print("vllm", vllm.__version__, f"| speculators, papermill and the {len(pins)} packages of {sys.argv[1]} ok")
 PY
 # A box that sets PYTHONDONTWRITEBYTECODE compiles every module from source in every process (our CPU boxes: import

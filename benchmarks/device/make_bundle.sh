@@ -7,8 +7,9 @@
 # and `install` phases put it together (install.sh); docs/gpu-host.md says how it goes.
 # Usage: [CONFIGS="configs/a.yaml configs/b.yaml"] bash benchmarks/device/make_bundle.sh
 #   (default CONFIGS: the SmolLM2 recipe; writes .carry/bundle/c1..cN; carry one chunk per call, in order)
-# Sizes (56 MiB chunks, before benchmarks/device/caches): the SmolLM2 recipe 5 chunks; configs/qwen-coder-1.5b-h200.yaml
-# 21 (its GGUF alone is 1.1 GB). With the caches' 23 MB in the tree: 8 and ~34.
+# Sizes: configs/qwen-coder-1.5b-h200.yaml (its GGUF alone is 1.1 GB) with the 1.5B replies caches (19 MB) in the tree:
+# 36 chunks of 36 MiB (2026-12-05). Build it again whenever a config asks for a package the bundle lacks:
+# install.sh names each one that is missing.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.carry/bundle
