@@ -316,6 +316,13 @@ def test_clean_request_strips_labels_and_drops_unusable_text():
     assert clean_request("Here's a possible question:\n\nCan you explain how black holes form?", True)[0] == \
         "Can you explain how black holes form?"
     assert clean_request("Is there a trolley in San Francisco? A:", True)[0] == "Is there a trolley in San Francisco?"
+    # a question that brought its own answer keeps the question; lettered choices stay whole
+    assert clean_request('"Who invented the first electronic calculator? "\nA: Charles Babbage.', True)[0] == \
+        "Who invented the first electronic calculator?"
+    assert clean_request("How is the temperature controlled in the cafe?\n\nAssistant: By a thermostat.", True)[0] == \
+        "How is the temperature controlled in the cafe?"
+    choices = "Which planet is largest?\nA: Mars\nB: Jupiter\nC: Venus"
+    assert clean_request(choices, True) == (choices, "kept")
     assert clean_request("Yes, I can. I answered your question.", True) == (None, "assistant_voice")
     assert clean_request("How do I bake sourdough bread at home?", False) == (None, "truncated")
     assert clean_request("Hi there", True) == (None, "short")
