@@ -446,6 +446,12 @@ def test_magpie_writes_requests_from_the_template_prefix_alone_apart_from_eval_a
         gen.texts.clear()
         again, st2 = synth.magpie(cfg, src, 0, gen, smol_tok, index, [], cache, progress=False)
         assert again == recs and gen.texts == [] and st2["generated"] == 0 and st2["cached"] >= 4
+        # a bigger limit keeps the same first requests and takes every draw it already has from the cache (keys:
+        # the draw's index and the settings, not the limit): its first round holds draws 0..7, the first run's 0..5
+        more, st_more = synth.magpie(cfg, src.model_copy(update={"limit": 6}), 0, gen, smol_tok, index, [], cache,
+                                     progress=False)
+        assert [r["messages"][0]["content"] for r in more][:4] == texts and len(more) == 6
+        assert st_more["cached"] >= 6 and len(gen.texts) == st_more["generated"]
         # a request that is an evaluation prompt is dropped, and the source tops up to its limit
         planted = EvalIndex().add("held_out", [texts[0].upper()])
         out, st3 = synth.magpie(cfg, src, 0, gen, smol_tok, planted, [], cache, progress=False)
