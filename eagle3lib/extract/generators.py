@@ -343,6 +343,18 @@ def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new
     return out
 
 
+def fair_share(queues: dict[float, list[Any]], in_flight: dict[int, list[Any]], gen: Generator) -> int:
+    """How many requests the next chunk takes: `gen.chunk_size`, but never more than one slot's share of everything
+    outstanding (waiting or in flight), so that once the queue runs short every engine holds a part of it instead of
+    one engine holding all of it while the others wait. Why: on the 1.5B's 4x data (2026-12-05, 4 engines, chunks of
+    4,096 whatever the queue held) self-distillation wrote its first ~6.5M tokens at ~70k tok/s and its last ~2.4M
+    at ~14k (stage 02's progress log, benchmarks/results/gen_data_qwen15_x4_h200_2026-12-05.json's run): in the
+    tail, whole chunks left engines idle and made each next turn of a long conversation wait for a full chunk (not
+    yet measured with this rule). One slot: the whole chunk, as before."""
+    outstanding = sum(map(len, queues.values())) + sum(map(len, in_flight.values()))
+    return max(1, min(gen.chunk_size, -(-outstanding // gen.slots)))
+
+
 @dataclass
 class Request:
     """One reply to generate: its cache key, its rendered text ("" when the key is cached: never rendered), its
@@ -362,11 +374,11 @@ def generate_continuous(gen: Generator, requests: Iterable[Request],
     """Every request's reply, handed to `on_reply(key, reply)`, which may ask for more (a conversation's next turn).
     A cached key is answered at once; the rest wait in one queue per temperature, ordered by (priority, length).
     Whenever one of the generator's `slots` is free, the queue whose head comes first gives it a chunk of up to
-    `chunk_size` requests (one temperature per chunk; shortest texts together within a priority: little padding for
-    transformers); each chunk's replies are appended to `cache_path` as soon as they come back (a killed run loses
-    at most the chunks in flight), then handed on. No barrier: an engine never waits for another, nor a turn for a
-    whole round. The caller asks for each key once (it waits for the reply of a key already asked). Updates `stats`
-    and `bar` like `generate_cached`."""
+    `chunk_size` requests, at most a slot's fair share of all that is outstanding (`fair_share`); one temperature per
+    chunk, shortest texts together within a priority (little padding for transformers); each chunk's replies are
+    appended to `cache_path` as soon as they come back (a killed run loses at most the chunks in flight), then handed
+    on. No barrier: an engine never waits for another, nor a turn for a whole round. The caller asks for each key
+    once (it waits for the reply of a key already asked). Updates `stats` and `bar` like `generate_cached`."""
     queues: dict[float, list[tuple[int, int, int, Request]]] = {}
     order = itertools.count()
 
@@ -395,7 +407,7 @@ def generate_continuous(gen: Generator, requests: Iterable[Request],
                 while queues and len(in_flight) < gen.slots:
                     temp = min(queues, key=lambda t: queues[t][0][:3])
                     q = queues[temp]
-                    chunk = [heapq.heappop(q)[3] for _ in range(min(gen.chunk_size, len(q)))]
+                    chunk = [heapq.heappop(q)[3] for _ in range(min(fair_share(queues, in_flight, gen), len(q)))]
                     if not q:
                         del queues[temp]
                     ticket = gen.submit([r.text for r in chunk], temp, max_new_tokens,

@@ -274,6 +274,19 @@ def test_self_distill_queues_each_next_turn_as_its_reply_comes_back(tmp_path, sm
     assert again == out and (st["generated"], st["cached"]) == (0, 16)  # every user turn, the repeated ones too
 
 
+def test_self_distill_shares_a_short_queue_over_every_engine(tmp_path, smol_tok):
+    """A chunk is at most one slot's share of what is outstanding: 10 requests over 4 engines go out as 3, 3, 3, 1
+    (not one engine holding all 10 while three wait); one engine still takes them whole."""
+    cfg = load_config(None, ["data.gen_max_new_tokens=4"])
+    convs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(10)]
+    pool = Echo(4, 100)
+    out, st = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "a.jsonl", progress=False, generator=pool)
+    assert [n for _, n in pool.chunks] == [3, 3, 3, 1] and st["generated"] == 10
+    one = Echo(1, 100)
+    again, _ = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "b.jsonl", progress=False, generator=one)
+    assert [n for _, n in one.chunks] == [10] and again == out
+
+
 def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
