@@ -113,23 +113,20 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         res["engine_start_s"] = gen.start_s
         res["engine_start_s_each"] = getattr(gen, "start_each_s", [gen.start_s])
         print("STARTED " + json.dumps(res), flush=True)  # what a variant cut off by --timeout still reports
+
+        def generate(texts: list[str], temp: float) -> list[Any]:
+            return gen.generate(texts, temp, args.max_new_tokens, [0] * len(texts))
+
         if args.multi_turn:
             res["multi_turn"] = multi_turn(cfg, model_dir, tok, gen, args.prompts)
             log(f"{variant} on {n} engine(s), multi-turn: {json.dumps(res['multi_turn'])}")
             if args.first_turns:
-                groups = by_temperature(first_turns(cfg, tok, args.prompts))
-                res["first_turns"] = timed(lambda texts, temp: gen.generate(texts, temp, args.max_new_tokens,
-                                                                            [0] * len(texts)), groups)
+                res["first_turns"] = timed(generate, by_temperature(first_turns(cfg, tok, args.prompts)))
                 log(f"{variant} on {n} engine(s), first turns: {json.dumps(res['first_turns'])}")
             return res
         for temp in args.temperatures:
-            t = time.perf_counter()
-            replies = gen.generate(texts, temp, args.max_new_tokens, [0] * len(texts))
-            secs = time.perf_counter() - t
-            toks = sum(r.tokens for r in replies)
-            res[f"t{temp}"] = {"new_tokens": toks, "seconds": round(secs, 2), "tokens_per_s": round(toks / secs, 1),
-                               "finished": sum(r.finished for r in replies)}
-            log(f"{variant} on {n} engine(s), temperature {temp}: {toks:,} tokens in {secs:.1f} s")
+            res[f"t{temp}"] = timed(generate, {temp: texts})
+            log(f"{variant} on {n} engine(s), temperature {temp}: {json.dumps(res[f't{temp}'])}")
     finally:
         gen.close()
     return res
