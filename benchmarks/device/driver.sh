@@ -16,8 +16,8 @@
 #   plan     (launch starts it) the config's target converted once, then each step of STEPS in order; then DONE
 # Settings: CONFIG (default configs/smollm2-h200.yaml), RUN (its run name, default smollm2-h200), STEPS (default
 # recipe_ab), and each step's own below (PEER_ARMS, PEER_GEN_ENGINES, PEER_SERVE_ARGS: the peers step's). LIMIT:
-# seconds a stage run may take (default 1800). REPLIES_FROM: runs whose committed replies caches a run starts from
-# besides its own (unpack_replies).
+# seconds a stage run may take (default 1800). Every run of a config starts from its target's committed replies cache
+# (benchmarks/device/caches/<target>.tar.xz, unpack_replies) and generates only what it lacks.
 #
 # STEPS: what each runs -> what it writes, and what it took on one H200 (stage runs land in outputs/<run>/):
 #   recipe       GPU 0: $CONFIG, stages 00-06 as $RUN (one GPU: -> $RES/recipe_<run>.json, benchmarks/recipe.py)
@@ -46,7 +46,7 @@
 #                answering the conversations' first turns in one call; then plain vLLM (vllm.LLM(...).generate at
 #                its defaults) on those first turns: tokens/s by engines against plain vLLM in one run
 #                -> $RES/generate_multiturn_<run>.json (not run; the first-turn passes and the plain arm add ~5 min)
-#   peers        GPU 0: $RUN's stages 00-04 (replies from benchmarks/device/caches/$RUN.tar.xz where it exists), the
+#   peers        GPU 0: $RUN's stages 00-04 (replies from the target's committed cache where it exists), the
 #                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli workbook_muon: benchmarks/
 #                peers.py) on its fork, then stage 06 of all of them side by side (k = 3, concurrency 1)
 #                -> $RES/peers_<run>.json. The 1.5B without the cache: 00-04 524 s, 05 328 s, 06 288 s (one arm)
@@ -54,7 +54,8 @@
 #                GEN_SCALE (default 4; 1 = the config's own, e.g. configs/qwen-coder-1.5b-x4-h200.yaml),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
 #                written); the replies caches come back as caches.txz.* (xz, 15 MiB parts) once the plan is done or
-#                with FINAL=1 (committed as benchmarks/device/caches/<run>.tar.xz). x4 on 4 engines: ~790 s
+#                with FINAL=1 (recompressed with xz -9e and committed as benchmarks/device/caches/<target>.tar.xz:
+#                every entry of the cache it started from is in them). The 1.5B's x4 config: 721-851 s
 #   curve_online GPU 0: those committed caches unpacked, stages 00-02 and 04 of $RUN-x$GEN_SCALE online, then stages
 #                05 (one epoch, online) and 06 (embedded) on forks at each train.train_fraction of CURVE (default
 #                "1"), side by side when there are several. Base ~210-270 s; fork 0.5 ~855 s, fork 1 ~1,060 s
@@ -133,18 +134,20 @@ has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 # the run gen_data and curve_online work on: $RUN at GEN_SCALE 1 (a config whose sources are already the data
 # wanted), else $RUN-x$GEN_SCALE
 gen_run() { if [ "${GEN_SCALE:-4}" = 1 ]; then echo "$RUN"; else echo "$RUN-x${GEN_SCALE:-4}"; fi; }
-# the committed replies caches (benchmarks/device/caches/<run>.tar.xz: gen_data's or peers' caches brought back) of
-# run $1 and of the runs in REPLIES_FROM (another config's run whose prompts this one shares: the caches are keyed by
-# prompt and settings, not by run), appended into outputs/$1/data unless that folder exists: stage 02 then generates
-# only what none of them has
-unpack_replies() { local dest=$1 r c f
+# $CONFIG's target as a file name: embedded:qwen2.5-coder-1.5b -> qwen2.5-coder-1.5b, /models/My-8B -> My-8B
+target_name() { python3 -c "import sys; from pathlib import Path; from eagle3lib.config import load_config
+print(Path(load_config(sys.argv[1]).target.model.removeprefix('embedded:')).name)" "$CONFIG"; }
+# the target's committed replies cache (benchmarks/device/caches/<target>.tar.xz: every config's and run's replies
+# for that target, as gen_data or peers brought them back; the keys hold the prompt, the generation settings and the
+# model, never the run), put into outputs/$1/data unless that folder exists: stage 02 then generates only what the
+# cache lacks
+unpack_replies() { local dest=$1 c f
   [ -d "outputs/$dest/data" ] && return 0
-  for r in "$dest" ${REPLIES_FROM:-}; do
-    c="benchmarks/device/caches/$r.tar.xz"; [ -f "$c" ] || continue
-    step "replies from $c"; rm -rf /tmp/replies && mkdir -p /tmp/replies "outputs/$dest/data"
-    xz -dc "$c" | tar x -C /tmp/replies
-    for f in /tmp/replies/outputs/*/data/*_cache.jsonl; do cat "$f" >> "outputs/$dest/data/${f##*/}"; done
-  done; rm -rf /tmp/replies; }
+  c="benchmarks/device/caches/$(target_name).tar.xz"; [ -f "$c" ] || return 0
+  step "replies from $c"; rm -rf /tmp/replies && mkdir -p /tmp/replies "outputs/$dest/data"
+  xz -dc "$c" | tar x -C /tmp/replies
+  for f in /tmp/replies/outputs/*/data/*_cache.jsonl; do cat "$f" >> "outputs/$dest/data/${f##*/}"; done
+  rm -rf /tmp/replies; }
 small_run() { has_states "$SRUN" || run_on "$1" small --run "$SRUN" --stages 00-04 "${SMALL[@]}"; }
 # stages 05-06 of the small run in a fork: $1 = GPU, $2 = arm name (a | b), the rest = overrides
 small_arm() { local gpu=$1 arm=$2; shift 2; has_states "$SRUN" || return 0
@@ -154,6 +157,12 @@ small_arm() { local gpu=$1 arm=$2; shift 2; has_states "$SRUN" || return 0
 case "$phase" in
 copy)
   mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ && ls -la /tmp/bundle && nvidia-smi -L
+  # a host replaced between two calls (given back after ~30 s idle, or taken back) holds only this call's chunks:
+  # say so now, not at `install` after every other copy went to it (exit 3: copy again from chunk 1)
+  last=$(find /tmp/bundle -name 'part.*' | sed 's/.*part\.//' | sort -n | tail -n 1)
+  for n in $(seq 0 $(( 10#$last - 1 ))); do
+    [ -f "/tmp/bundle/part.$(printf %02d "$n")" ] || { echo "chunk c$(( n + 1 )) is not on this host (a new host since that copy): copy again from c1" >&2; exit 3; }
+  done
   ;;
 install)
   bash benchmarks/device/install.sh && exec bash benchmarks/device/driver.sh launch
@@ -161,11 +170,11 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q REPLIES_FROM=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli workbook_muon}" \
-    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${REPLIES_FROM:-}" > "$RES/plan.env"
+    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
   cp benchmarks/device/driver.sh "$RES/driver.sh"
@@ -184,7 +193,7 @@ poll)
     [ -f "$RES/DONE" ] || [ "$(date +%s)" -ge "$end" ] && break
     for _ in 1 2 3 4 5 6; do [ -f "$RES/DONE" ] && break; sleep 10; done
   done
-  pack_runs "$OUT/runs.tgz"; df -h /tmp | tail -n 1
+  df -h /tmp | tail -n 1
   # gen_data's replies caches (only once the plan is done or this is the last poll: FINAL=1; xz on every core)
   caches=""; [[ " $STEPS " == *" gen_data "* ]] && caches=$(ls outputs/"$(gen_run)"/data/*_cache.jsonl 2>/dev/null)
   [[ " $STEPS " == *" peers "* ]] && caches=$(ls outputs/"$RUN"/data/*_cache.jsonl 2>/dev/null)
@@ -193,6 +202,9 @@ poll)
     # shellcheck disable=SC2086 - one path per word
     tar cf - $caches | xz -6 -T0 | split -b 15M - "$OUT/caches.txz."; ls -la "$OUT"/caches.txz.*
   fi
+  # what the plan wrote, packed last: a stage that ended while the caches were compressed is in it, manifest and all
+  cp "$RES"/*.json "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$RES" --exclude='*.json' . 2>/dev/null
+  pack_runs "$OUT/runs.tgz"
   cat "$RES/plan.log"; grep -h "done in\|exit\|rror" "$RES"/*.log | tail -n 12
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv
   ;;
@@ -367,12 +379,11 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # FP8 vs bf16 shards on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A
       # ($RUN-fp8ab) = stages 00-06 with bf16 shards; arm B = benchmarks/fp8_ab.py's fork of it (stage 02 again from
       # the cached replies with extract.fp8_shards=true, then 03-06) -> $RES/fp8_ab_<run>.json. The replies: the
-      # committed 4x caches unpacked into arm A's data/ first: every self-instruct request hits, no distilled reply
-      # (their key changed on 2026-12-04), so stage 02 distills all 21,984 replies (8,925 of them took 153 s on
-      # 2026-12-04). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an
+      # target's committed cache where there is one (SmolLM2 has none since 2026-12-04: stage 02 distilled all
+      # 21,984 replies that day, 8,925 of them in 153 s). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an
       # arm). With the copies and the target: ~1,330 s, most of a 30-minute device budget
       arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")
-      REPLIES_FROM="$RUN-x4 ${REPLIES_FROM:-}" unpack_replies "$arun"
+      unpack_replies "$arun"
       step "FP8 A/B, arm A: $arun, stages 00-06 with bf16 shards, one epoch"
       run_on 0 fp8ab_a --run "$arun" "${abargs[@]}"
       step "FP8 A/B, arm B: the same rows in FP8 shards (benchmarks/fp8_ab.py)"

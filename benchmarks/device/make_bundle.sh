@@ -7,7 +7,7 @@
 # and `install` phases put it together (install.sh); docs/gpu-host.md says how it goes.
 # Usage: [CONFIGS="configs/a.yaml configs/b.yaml"] bash benchmarks/device/make_bundle.sh
 #   (default CONFIGS: the SmolLM2 recipe; writes .carry/bundle/c1..cN; carry one chunk per call, in order)
-# Sizes: configs/qwen-coder-1.5b-h200.yaml (its GGUF alone is 1.1 GB) with the 1.5B replies caches (19 MB) in the tree:
+# Sizes: configs/qwen-coder-1.5b-h200.yaml (its GGUF alone is 1.1 GB) with the 1.5B replies cache (19 MB) in the tree:
 # 36 chunks of 36 MiB (2026-12-05). Build it again whenever a config asks for a package the bundle lacks:
 # install.sh names each one that is missing.
 set -euo pipefail
@@ -30,7 +30,7 @@ pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --
 mv .carry/stage/nbw/*.whl .carry/stage/wheels/
 tar cf .carry/stage/bundle.tar -C .carry/stage payload.tar wheels
 # a call carries one chunk AND the working tree (tracked and untracked files; ~4 MiB of code, plus
-# benchmarks/device/caches' 23 MB) within its 64 MiB: the chunks get what the tree leaves, with 4 MiB to spare
+# benchmarks/device/caches' 19 MB) within its 64 MiB: the chunks get what the tree leaves, with 4 MiB to spare
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
 chunk=$(( 60 - tree / 1048576 ))
 echo "working tree $(( tree / 1048576 )) MiB: chunks of $chunk MiB"
