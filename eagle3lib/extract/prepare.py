@@ -19,11 +19,15 @@ Pipeline (`prepare`), in this order on purpose:
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from eagle3lib import atomic, jsonl
 from eagle3lib.config import GENERATED_KINDS, WorkbookConfig
@@ -128,13 +132,13 @@ def _render(tok, messages: list[dict[str, str]], add_generation_prompt: bool = F
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) for one conversation; loss_mask = 1 on tokens inside assistant turns only.
+def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered with the chat template, and the character spans of its assistant turns.
 
-    Why prefixes + offsets: chat templates differ in how they wrap turns, but every template we know renders a
-    conversation's prefix as a prefix of its full rendering. The assistant turn i then spans the characters between
+    Why prefixes: chat templates differ in how they wrap turns, but every template we know renders a conversation's
+    prefix as a prefix of its full rendering. The assistant turn i then spans the characters between
     render(messages[:i], generation prompt) and render(messages[:i+1]) — its text and end-of-turn marker, not the
-    role header — and the tokenizer's offsets map those characters to tokens.
+    role header. The spans come out in order and disjoint.
     """
     text = _render(tok, messages)
     spans = []
@@ -147,15 +151,56 @@ def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) 
             raise WorkbookError("the chat template does not render conversation prefixes as prefixes of the whole",
                                 "use a tokenizer whose chat template is prefix-stable, or pre-tokenize the data")
         spans.append((len(start_text), len(end_text)))
+    return text, spans
+
+
+def span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 on each token whose characters overlap an assistant span (a token straddling a turn boundary counts), 0
+    elsewhere and on tokens without characters. `spans` in order and disjoint: for each token the only span that can
+    overlap it first is the first one ending after the token starts (a binary search, not a scan of every span)."""
+    if not spans or not offsets:
+        return [0] * len(offsets)
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = (np.asarray(x, dtype=np.int64) for x in zip(*spans, strict=True))
+    first, last = off[:, 0], off[:, 1]
+    j = np.minimum(np.searchsorted(ends, first, side="right"), len(spans) - 1)
+    hit = (last > first) & (ends[j] > first) & (starts[j] < last)
+    return hit.astype(np.int64).tolist()
+
+
+def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) for one conversation, truncated to max_length; loss_mask = 1 on the tokens of
+    assistant turns only (`assistant_spans`, mapped to tokens by the tokenizer's character offsets)."""
+    text, spans = assistant_spans(tok, messages)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = [0] * len(ids)
-    for t, (a, b) in enumerate(offsets):
-        if b > a and any(s <= a and b <= e for s, e in spans):
-            mask[t] = 1
-        elif b > a and any(a < e and s < b for s, e in spans):
-            mask[t] = 1  # a token straddling a turn boundary: count it if it overlaps the assistant text
-    return ids[:max_length], mask[:max_length]
+    return enc["input_ids"][:max_length], span_mask(enc["offset_mapping"], spans)[:max_length]
+
+
+def tokenize_conversations(tok, convs: list[list[dict[str, str]]], threads: int | None = None,
+                           chunk: int = 256) -> list[tuple[list[int], list[int]]]:
+    """`tokenize_conversation` of every conversation, untruncated, with the encoding on `threads` threads (default:
+    up to 8 cores): the fast tokenizer's Rust encoder releases the GIL, so chunks of texts encode side by side while
+    the chat template renders here. TOKENIZERS_PARALLELISM stays off (the run's engines fork). The 1.5B's 4x data
+    (54k conversations) spent ~80% of its data preparation in this step, one conversation at a time; on 6,000 of them
+    on 2 CPU cores about x2 here (benchmarks/results/tokenize_qwen15_x4_cpu_2026-12-05.json), more with more cores."""
+    rendered = [assistant_spans(tok, c) for c in convs]
+    if not getattr(tok, "is_fast", False):  # a slow tokenizer: one text at a time through the tokenizer's own call
+        encs = [tok(t, add_special_tokens=False, return_offsets_mapping=True) for t, _ in rendered]
+        return [(e["input_ids"], span_mask(e["offset_mapping"], s)) for e, (_, s) in zip(encs, rendered, strict=True)]
+    # a copy of the Rust tokenizer without padding or truncation: transformers leaves on the one it wraps whatever
+    # its last call asked for (a padded generate batch pads every text of a batch here to the longest)
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.no_padding()
+    backend.no_truncation()
+    texts = [t for t, _ in rendered]
+    workers = threads or max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        batches = pool.map(lambda i: backend.encode_batch(texts[i:i + chunk], add_special_tokens=False),
+                           range(0, len(texts), chunk))
+        encs = [e for b in batches for e in b]
+    return [(e.ids, span_mask(e.offsets, s)) for e, (_, s) in zip(encs, rendered, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------- self-distillation
@@ -372,9 +417,7 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
                                 "set data.self_distill=true (the target writes the replies) or use data with replies")
     ids, masks, kept, cats = [], [], [], []
     dropped = truncated = 0
-    for rec, conv in zip(pool, convs, strict=True):
-        full_len = None
-        i, m = tokenize_conversation(tok, conv, 10**9)
+    for rec, conv, (i, m) in zip(pool, convs, tokenize_conversations(tok, convs), strict=True):
         full_len = len(i)
         i, m = i[: d.max_length], m[: d.max_length]
         if sum(m) == 0:

@@ -107,6 +107,16 @@ def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2(smol_tok):
     assert short_ids == ids[:40] and short_mask == mask[:40]
 
 
+def test_tokenizing_many_conversations_on_threads_gives_each_ones_ids_and_mask(smol_tok):
+    convs = [chat(i, turns=1 + i % 3)["messages"] for i in range(40)]
+    convs[3] = [{"role": "user", "content": "No reply yet"}]  # no assistant turn: an all-zero mask
+    smol_tok(["a", "a much longer text than that"], padding=True)  # leaves padding on the tokenizer it wraps
+    many = prepare.tokenize_conversations(smol_tok, convs, threads=3, chunk=7)
+    assert many == [prepare.tokenize_conversation(smol_tok, c, 10**9) for c in convs]
+    assert set(many[3][1]) == {0} and all(sum(m) > 0 for i, (_, m) in enumerate(many) if i != 3)
+    assert prepare.span_mask([(0, 2), (2, 2), (2, 5), (5, 9), (9, 12)], [(3, 6), (10, 11)]) == [0, 0, 1, 1, 1]
+
+
 def test_prepare_without_replies_asks_for_self_distillation(tmp_path, smollm2_dir):
     src = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"Say {i}"}]} for i in range(6)])
     cfg = load_config(None, [f"data.sources=[{{kind: jsonl, path: {src}}}]", "data.self_distill=false",
