@@ -172,6 +172,19 @@ class DataSection(Section):
         description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",
     )
 
+    @model_validator(mode="after")
+    def _one_magpie_source_per_setting(self) -> DataSection:
+        # a magpie draw is keyed by its index and the source's sampling settings (synth.generate_prompts): a second
+        # source with the same settings would draw the first one's requests again, each then dropped as a duplicate
+        seen: set[tuple[float, int]] = set()
+        for s in self.sources:
+            if s.kind == "magpie":
+                if (s.temperature, s.max_new_tokens) in seen:
+                    raise ValueError("two magpie sources with the same temperature and max_new_tokens draw the same "
+                                     "requests: make them one source with the sum of their limits")
+                seen.add((s.temperature, s.max_new_tokens))
+        return self
+
 
 class ExtractSection(Section):
     backend: Literal["transformers", "vllm"] = Field("transformers", description="Who runs the target forward.")

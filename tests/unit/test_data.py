@@ -489,6 +489,9 @@ def test_magpie_writes_requests_from_the_template_prefix_alone_apart_from_eval_a
         load_config(None, ["data.sources=[{kind: magpie, limit: 4, path: topics.json}]"])
     with pytest.raises(WorkbookError, match="magpie source at temperature 0 writes the same request"):
         load_config(None, ["data.sources=[{kind: magpie, limit: 4, temperature: 0}]"])
+    with pytest.raises(WorkbookError, match="two magpie sources with the same temperature.*one source"):
+        load_config(None, ["data.sources=[{kind: magpie, limit: 4}, {kind: magpie, limit: 9}]"])
+    load_config(None, ["data.sources=[{kind: magpie, limit: 4}, {kind: magpie, limit: 9, temperature: 1.0}]"])
     assert sources.read_source(src) == ([], {"kind": "magpie"})  # generated in stage 02, after the split
     est = estimate_data(load_config(None, ["data.sources=[{kind: bundled}, {kind: magpie, limit: 10}]"]), None)
     assert est.per_source[1] == {"kind": "magpie", "prompts": 10, "known": True}  # stage 00's disk estimate
