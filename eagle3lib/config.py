@@ -174,7 +174,7 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _one_magpie_source_per_setting(self) -> DataSection:
-        # a magpie draw is keyed by its index and the source's sampling settings (synth.generate_prompts): a second
+        # a magpie draw is keyed by its index and the source's sampling settings (synth.write_requests): a second
         # source with the same settings would draw the first one's requests again, each then dropped as a duplicate
         seen: set[tuple[float, int]] = set()
         for s in self.sources:

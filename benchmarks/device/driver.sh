@@ -380,8 +380,9 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # ($RUN-fp8ab) = stages 00-06 with bf16 shards; arm B = benchmarks/fp8_ab.py's fork of it (stage 02 again from
       # the cached replies with extract.fp8_shards=true, then 03-06) -> $RES/fp8_ab_<run>.json. The replies: the
       # target's committed cache where there is one (SmolLM2 has none since 2026-12-04: stage 02 distilled all
-      # 21,984 replies that day, 8,925 of them in 153 s). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB free. MT-Bench left out (~220 s an
-      # arm). With the copies and the target: ~1,330 s, most of a 30-minute device budget
+      # 21,984 replies that day, 8,925 of them in 153 s). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB
+      # free. MT-Bench left out (~220 s an arm). With the copies and the target: ~1,330 s, most of a 30-minute device
+      # budget
       arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")
       unpack_replies "$arun"
       step "FP8 A/B, arm A: $arun, stages 00-06 with bf16 shards, one epoch"
