@@ -160,6 +160,7 @@ copy)
   # a host replaced between two calls (given back after ~30 s idle, or taken back) holds only this call's chunks:
   # say so now, not at `install` after every other copy went to it (exit 3: copy again from chunk 1)
   last=$(find /tmp/bundle -name 'part.*' | sed 's/.*part\.//' | sort -n | tail -n 1)
+  [ -n "$last" ] || { echo "no chunk on this host: carry one, .carry/bundle/cK" >&2; exit 3; }
   for n in $(seq 0 $(( 10#$last - 1 ))); do
     [ -f "/tmp/bundle/part.$(printf %02d "$n")" ] || { echo "chunk c$(( n + 1 )) is not on this host (a new host since that copy): copy again from c1" >&2; exit 3; }
   done
