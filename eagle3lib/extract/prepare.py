@@ -183,10 +183,9 @@ def tokenize_conversations(tok, convs: list[list[dict[str, str]]], threads: int 
     the chat template renders here. TOKENIZERS_PARALLELISM stays off (the run's engines fork). The 1.5B's 4x data
     (54k conversations) spent ~80% of its data preparation in this step, one conversation at a time; on 6,000 of them
     on 2 CPU cores about x2 here (benchmarks/results/tokenize_qwen15_x4_cpu_2026-12-05.json), more with more cores."""
+    if not getattr(tok, "is_fast", False):  # no Rust encoder to share out: one conversation at a time
+        return [tokenize_conversation(tok, c, 10**9) for c in convs]
     rendered = [assistant_spans(tok, c) for c in convs]
-    if not getattr(tok, "is_fast", False):  # a slow tokenizer: one text at a time through the tokenizer's own call
-        encs = [tok(t, add_special_tokens=False, return_offsets_mapping=True) for t, _ in rendered]
-        return [(e["input_ids"], span_mask(e["offset_mapping"], s)) for e, (_, s) in zip(encs, rendered, strict=True)]
     # a copy of the Rust tokenizer without padding or truncation: transformers leaves on the one it wraps whatever
     # its last call asked for (a padded generate batch pads every text of a batch here to the longest)
     from tokenizers import Tokenizer
