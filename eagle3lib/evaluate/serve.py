@@ -3,7 +3,9 @@ is it served.
 
 The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts once per setting of
 `evaluate.serve_grid` with the draft (`--speculative-config '{"method": "eagle3", ...}'` and the setting's keys: k,
-the drafter's options, async scheduling), and once without; at each level of `evaluate.serve_concurrency` vLLM's own
+the drafter's options, async scheduling), and once without: one after another, or all at once side by side on the
+same GPUs and then measured in turn (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest start
+instead of their sum; `in_turn`); at each level of `evaluate.serve_concurrency` vLLM's own
 load generator (`vllm bench serve`, `bench_worker`) streams the held-out prompts (rendered with the chat template,
 greedy) at that many requests in flight and reports TTFT, TPOT, ITL and end-to-end percentiles and output
 tokens/s; the server's spec-decode counters are read from /metrics around each level (acceptance per position,
@@ -33,12 +35,14 @@ it): it keeps its finished levels itself, and its table deserves its own noteboo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import re
 import shlex
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from importlib.util import find_spec
@@ -114,11 +118,25 @@ def plan_servers(ecfg: Any, draft: Path) -> list[ServerPlan]:
     return [*out, ServerPlan("baseline", "baseline", k, None)]
 
 
+def side_by_side_memory(kv_gib: float | None, servers: int, cpu: bool) -> list[str]:
+    """The memory flags of a server started beside the sweep's others on a GPU (evaluate.serve_side_by_side_kv_gib):
+    a fixed KV cache, with which vLLM 0.26 skips the memory profile (`determine_available_memory` in
+    vllm/v1/worker/gpu_worker.py), and 0.9/N of the GPU, which is all vLLM then checks `--gpu-memory-utilization`
+    against: that much free when the worker starts (`request_memory` in vllm/v1/worker/utils.py). N = every server of
+    the sweep, not those a rerun still starts, so each server's command is the same in every attempt. None on the CPU
+    and one server at a time: vLLM's own sizing."""
+    if kv_gib is None or cpu:
+        return []
+    return ["--gpu-memory-utilization", f"{0.9 / servers:.3f}", "--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
+
+
 def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: int, dtype: str, max_model_len: int,
-               seed: int, cpu: bool, extra: list[str], flags: tuple[str, ...] | list[str] = ()) -> list[str]:
+               seed: int, cpu: bool, extra: list[str], flags: tuple[str, ...] | list[str] = (),
+               memory: list[str] = ()) -> list[str]:
     """What follows `vllm serve`: the target, then the settings every server shares (the target family's engine
-    settings among them: adapters.target_engine_kwargs), then its speculation, then evaluate.serve_args, then the
-    grid setting's own flags (`ServerPlan.flags`: the more specific, so they come last and win)."""
+    settings among them: adapters.target_engine_kwargs), then its speculation, then the memory flags of servers side
+    by side (`side_by_side_memory`), then evaluate.serve_args, then the grid setting's own flags (`ServerPlan.flags`):
+    the more specific come later and win."""
     from eagle3lib.extract.backends.adapters import target_engine_kwargs
     from eagle3lib.extract.backends.vllm_engine import engine_flags
 
@@ -130,7 +148,7 @@ def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: in
     args += engine_flags(target_engine_kwargs(target, dtype))
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
-    return [*args, *extra, *flags]
+    return [*args, *memory, *extra, *flags]
 
 
 def bench_args(server: Any, prompts_file: Path, level: int, requests: int, max_tokens: int, seed: int,
@@ -179,7 +197,7 @@ def command_record(server: Any) -> dict[str, Any]:
     upstream = ["vllm", *ran[len(server.prefix):]]
     return {"upstream": shlex.join(upstream), "ran": shlex.join(ran), "argv": ran, "env": dict(server.env),
             "via_workbook_entry_point": server.prefix[1:3] == ["-m", "eagle3lib.compat.vllm_cli"],
-            "start_s": server.start_s, "log": str(server.log_path)}
+            "start_s": server.start_s, "started_at": server.started_at, "log": str(server.log_path)}
 
 
 def longest_conversation(tok: Any, items: list[dict[str, Any]], max_tokens: int) -> int:
@@ -285,9 +303,11 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     exact = write_prompts(tok, prompts, prompts_file)
     max_len = max([vllm_job(inp.model_dir, prompts, max_tokens, dname)["max_model_len"],
                    *(longest_conversation(tok, items, max_tokens) for items in bench_items.values())])
-    common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
-                  max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args))
     plans = plan_servers(ecfg, inp.checkpoint)
+    side_by_side = ecfg.serve_side_by_side_kv_gib is not None
+    common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
+                  max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args),
+                  memory=side_by_side_memory(ecfg.serve_side_by_side_kv_gib, len(plans), cpu))
     drafts = [p for p in plans if p.role == "eagle3"]
     primary = drafts[0]  # its server answers the benchmarks and gives the 'vllm serve' row
     speculating = [p for p in plans if p.role != "baseline"]
@@ -307,38 +327,43 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     reused = [f"{p.id} c={c}" for p in plans for c in levels if c not in todo[p.id]]  # kept from an earlier attempt
     if reused:
         log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(reused), store.path)
+    live = [p for p in plans
+            if todo[p.id] or not all(store.has(f"{p.id} {x}") for x in ["outputs", "command", *asks[p.id]])]
     bar = tqdm(total=sum(len(t) for t in todo.values()), desc="serve", unit="level", disable=not progress)
-    worker = None
+    worker, turns = None, None
+
+    def server_of(plan: ServerPlan) -> VllmServer:
+        return VllmServer(args[plan.id], name=plan.slug, workdir=workdir, cache_dir=inp.cache_dir,
+                          start_timeout_s=ecfg.serve_start_timeout_s)
+
     try:
         with interrupt_on_sigterm():
-            for plan in plans:
+            if live:  # vLLM's benchmark imports in a process of its own while the servers start
+                worker = BenchWorker(workdir, server_environment(inp.cache_dir))
+            turns = in_turn(live, server_of, side_by_side, bar)
+            for plan, server in turns:
                 sid = plan.id
-                if not todo[sid] and all(store.has(f"{sid} {x}") for x in ["outputs", "command", *asks[sid]]):
-                    continue
-                if worker is None:  # imports vLLM's benchmark while the first server starts
-                    worker = BenchWorker(workdir, server_environment(inp.cache_dir))
-                bar.set_postfix(server=f"{sid} starting")
-                with VllmServer(args[sid], name=plan.slug, workdir=workdir, cache_dir=inp.cache_dir,
-                                start_timeout_s=ecfg.serve_start_timeout_s) as server:
-                    store.methods.pop(f"{sid} command", None)  # this server's command, port included
-                    store.run(f"{sid} command", partial(command_record, server), scratch)
-                    server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
-                    for c in todo[sid]:
-                        bar.set_postfix(server=sid, concurrency=c)
-                        store.run(f"{sid} c={c}", partial(
-                            _level, server, worker, plan.slug, c, n_req[c], max_tokens, plan.k, cfg.run.seed,
-                            prompts_file, workdir), scratch)
-                        bar.update(1)
-                    if not store.has(f"{sid} outputs"):
-                        bar.set_postfix(server=sid, outputs="token ids")
-                        store.run(f"{sid} outputs", partial(server.complete, prompts, max_tokens), scratch)
-                    for name in asks[sid]:
-                        if not store.has(f"{sid} {name}"):
-                            bar.set_postfix(server=sid, asking=name)
-                            store.run(f"{sid} {name}", partial(
-                                ask_on_server, server, tok, bench_items[name.removeprefix("benchmark ")],
-                                max_tokens, plan.k), scratch)
+                store.methods.pop(f"{sid} command", None)  # this server's command, port included
+                store.run(f"{sid} command", partial(command_record, server), scratch)
+                server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
+                for c in todo[sid]:
+                    bar.set_postfix(server=sid, concurrency=c)
+                    store.run(f"{sid} c={c}", partial(
+                        _level, server, worker, plan.slug, c, n_req[c], max_tokens, plan.k, cfg.run.seed,
+                        prompts_file, workdir), scratch)
+                    bar.update(1)
+                if not store.has(f"{sid} outputs"):
+                    bar.set_postfix(server=sid, outputs="token ids")
+                    store.run(f"{sid} outputs", partial(server.complete, prompts, max_tokens), scratch)
+                for name in asks[sid]:
+                    if not store.has(f"{sid} {name}"):
+                        bar.set_postfix(server=sid, asking=name)
+                        store.run(f"{sid} {name}", partial(
+                            ask_on_server, server, tok, bench_items[name.removeprefix("benchmark ")],
+                            max_tokens, plan.k), scratch)
     finally:
+        if turns is not None:  # stops the servers still up (on an error or an interrupt)
+            turns.close()
         bar.close()
         if worker is not None:
             worker.close()
@@ -356,6 +381,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     result.update(k=primary.k, primary=primary.label, settings=settings, concurrency=levels,
                   requests={str(c): n for c, n in n_req.items()}, prompts=len(prompts), prompt_tokens_exact=exact,
                   max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname, reused=reused,
+                  side_by_side=side_by_side,
                   workdir=str(workdir), level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
     result["benchmark_rows"] = {}
     for name, items in bench_items.items():
@@ -368,6 +394,34 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if " benchmark " in n}
     store.clear()  # every level is in the result now
     return result
+
+
+def in_turn(plans: list[ServerPlan], server_of: Any, side_by_side: bool,
+            bar: Any) -> Iterator[tuple[ServerPlan, Any]]:
+    """The sweep's servers, each ready when its turn comes, in plan order; each is stopped once the next is asked
+    for, and every one still up when the generator is closed (an error or an interrupt in the caller's turn). One
+    after another, or all started at once and waited for together (evaluate.serve_side_by_side_kv_gib): the first
+    to fail stops them all."""
+    from eagle3lib.evaluate.server import wait_all_ready
+
+    if not side_by_side:
+        for plan in plans:
+            bar.set_postfix(server=f"{plan.id} starting")
+            with server_of(plan) as server:
+                yield plan, server
+        return
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for plan in plans:
+            server = server_of(plan)
+            stack.callback(server.stop)
+            server.start()
+            servers.append(server)
+        bar.set_postfix(server=f"{len(servers)} starting side by side")
+        wait_all_ready(servers)
+        for plan, server in zip(plans, servers, strict=True):
+            yield plan, server
+            server.stop()  # its turn is over: its memory goes back before the next is measured
 
 
 def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens: int, k: int) -> dict[str, Any]:

@@ -121,7 +121,8 @@ class VllmServer:
         self.model = args[0]  # the served model name: vLLM names it after the path it was given
         self.log_path = self.workdir / f"{name}.server.log"
         self.proc: subprocess.Popen | None = None
-        self.start_s: float | None = None
+        self.start_s: float | None = None  # seconds from start to the first 200 from /health
+        self.started_at: float | None = None  # when it was started (Unix time): servers side by side overlap
         self.cmdline: list[str] | None = None  # what the operating system ran, read back once it was ready
         self.below: list[Any] = []  # the processes under the server, as last seen (its engine core, workers)
         self._rpc_dir: str | None = None
@@ -154,18 +155,24 @@ class VllmServer:
             log.flush()
             self.proc = popen_with_parent(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._t0 = time.perf_counter()
+        self.started_at = time.time()
 
     def wait_ready(self, poll_s: float = 0.5) -> None:
         """Until /health answers 200; the server exiting first, or the timeout, raises with its log."""
-        deadline = self._t0 + self.start_timeout_s
-        while True:
-            self.check(before_ready=True)
-            if self._get("/health", timeout=5) is not None:
-                break
-            if time.perf_counter() > deadline:
+        while not self.ready():
+            time.sleep(poll_s)
+
+    def ready(self) -> bool:
+        """Whether /health answers 200 now (then its start time and processes are noted, once); the server having
+        exited, or its start timeout having passed, raises with its log."""
+        if self.start_s is not None:
+            return True
+        self.check(before_ready=True)
+        if self._get("/health", timeout=5) is None:
+            if time.perf_counter() > self._t0 + self.start_timeout_s:
                 raise self.failure(f"did not answer {self.url}/health within {self.start_timeout_s:.0f} s",
                                    "read the log; raise evaluate.serve_start_timeout_s if it was still starting")
-            time.sleep(poll_s)
+            return False
         self.start_s = round(time.perf_counter() - self._t0, 2)
         self.below = descendants(self.proc)
         import psutil
@@ -174,6 +181,7 @@ class VllmServer:
             self.cmdline = psutil.Process(self.proc.pid).cmdline()  # type: ignore[union-attr]
         except psutil.Error:
             self.cmdline = list(self.argv)
+        return True
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -186,7 +194,9 @@ class VllmServer:
             when = "before it was ready" if before_ready else "while the sweep was running"
             raise self.failure(f"exited (code {self.proc.returncode}) {when}",
                                "read the log: a wrong flag in evaluate.serve_args, a draft vLLM cannot load, or "
-                               "memory (on a GPU: add '--gpu-memory-utilization' to evaluate.serve_args)")
+                               "memory (on a GPU: add '--gpu-memory-utilization' to evaluate.serve_args; servers "
+                               "side by side: a smaller evaluate.serve_side_by_side_kv_gib, or null for one server "
+                               "at a time)")
 
     def failure(self, what: str, fix: str) -> WorkbookError:
         return WorkbookError(f"the vLLM server '{self.name}' {what}; last lines of {self.log_path}:\n"
@@ -242,3 +252,10 @@ class VllmServer:
             raise WorkbookError(f"the vLLM server '{self.name}' returned {len(choices)} completions with token ids "
                                 f"for {len(prompts)} prompts", "this vLLM version lacks return_token_ids (vLLM >= 0.11)")
         return [list(c["token_ids"]) for c in choices]
+
+
+def wait_all_ready(servers: list[VllmServer], poll_s: float = 0.5) -> None:
+    """Until every started server answers /health; the first to exit or time out raises with its log (the caller
+    stops them all)."""
+    while not all([s.ready() for s in servers]):  # a list: every server is checked on every pass
+        time.sleep(poll_s)

@@ -94,6 +94,56 @@ def test_a_server_that_dies_mid_sweep_fails_with_its_log_and_leaves_nothing(tmp_
     assert not alive and not _listening(srv.port)
 
 
+def test_servers_side_by_side_all_stop_when_one_fails_to_start(tmp_path):
+    """Servers started side by side (evaluate.serve_side_by_side_kv_gib): one answers /health, the other exits
+    before it is ready. The error names the one that failed, with its log, and the healthy one is stopped too."""
+    from eagle3lib.evaluate.serve import ServerPlan, in_turn
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    healthy = _stand_in(tmp_path / "a", """
+        import http.server, sys
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    """)
+    failing = _stand_in(tmp_path / "b", """
+        import sys, time
+        time.sleep(1)
+        print("torch.OutOfMemoryError: CUDA out of memory", file=sys.stderr)
+        sys.exit(1)
+    """)
+    failing.name = "eagle3_k=1"
+    plans = [ServerPlan("baseline", "baseline", 3, None), ServerPlan("eagle3 k=1", "eagle3", 1, {})]
+    servers = dict(zip([p.id for p in plans], [healthy, failing], strict=True))
+
+    class Bar:
+        def set_postfix(self, **_: object) -> None:
+            pass
+
+    with pytest.raises(WorkbookError) as e:
+        for _ in in_turn(plans, lambda p: servers[p.id], True, Bar()):
+            pytest.fail("no server's turn comes before every one is ready")
+    msg = str(e.value)
+    assert "'eagle3_k=1' exited (code 1) before it was ready" in msg and "CUDA out of memory" in msg, msg
+    assert "serve_side_by_side_kv_gib" in msg  # the fix names the setting
+    assert not healthy.alive() and not failing.alive() and not _listening(healthy.port)
+
+
+def test_servers_side_by_side_on_a_gpu_take_a_fixed_kv_cache_and_a_share_of_it(tiny_llama_dir):
+    """The memory flags of a server beside the sweep's others: vLLM's own flags, after the target's settings and
+    before evaluate.serve_args (a flag the user gives there wins); none on the CPU or one server at a time."""
+    from eagle3lib.evaluate.serve import serve_args, side_by_side_memory
+
+    memory = side_by_side_memory(8, 3, cpu=False)
+    assert memory == ["--gpu-memory-utilization", "0.300", "--kv-cache-memory-bytes", str(8 * 2**30)]
+    assert side_by_side_memory(8, 3, cpu=True) == [] and side_by_side_memory(None, 3, cpu=False) == []
+    argv = serve_args(tiny_llama_dir, tiny_llama_dir, {"method": "eagle3"}, 3, "bfloat16", 2048, 0, False,
+                      ["--gpu-memory-utilization", "0.2"], ("--no-async-scheduling",), memory)
+    assert argv[-7:] == [*memory, "--gpu-memory-utilization", "0.2", "--no-async-scheduling"]
+    assert argv.index("--speculative-config") < len(argv) - 7
+
+
 def test_the_server_counters_are_read_as_vllm_writes_them(tmp_path):
     """/metrics text as vLLM 0.32 writes it (two engines, `_created` samples that are no counts)."""
     from eagle3lib.evaluate.server import counters_delta, parse_spec_counters
@@ -210,7 +260,8 @@ def _code_blocks(text: str) -> list[str]:
 def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp_path):
     """Stage 06 in a subprocess gets SIGTERM mid-sweep (the draft's first setting has finished concurrency 1): it
     stops its server, engine and benchmark (no process, no listener left); the rerun keeps that level, starts the
-    first setting's server again for concurrency 2, then the second setting's, n-gram lookup's and the baseline's,
+    first setting's server again for concurrency 2 and, at the same time, the second setting's, n-gram lookup's and
+    the baseline's (side by side), measures them in turn,
     recommends per level the setting with the most output tokens/s (or no draft) and writes the report card, whose
     first line is the verdict those numbers give and whose serve command is the one that ran."""
     import psutil
@@ -260,9 +311,10 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     curve_step = {"from": "serve-f0.5", "to": "serve", "doublings": 1.0, "val_eal_gain_per_doubling": 0.29}
     (tmp_path / "outputs" / "serve" / "data_curve.json").write_text(json.dumps({"per_doubling": [curve_step]}))
 
-    # the rerun, in this process: the notebook's steps
+    # the rerun, in this process: the notebook's steps, with the servers it still needs side by side (every one:
+    # the first setting's for concurrency 2, then the second's, n-gram lookup's, the baseline's)
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    stage = open_stage("06", config)
+    stage = open_stage("06", config, overrides=["evaluate.serve_side_by_side_kv_gib=1"])
     result = evaluate.run(stage, progress=False)
     evaluate.finish(stage, result)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in mine]
@@ -271,6 +323,11 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     srv = result.results["serve"]
     settings = srv["settings"]
     assert srv["reused"] == ["eagle3 k=3 c=1"] and list(srv["by_level"]) == ["1", "2"]
+    # side by side: every server was started before any was ready, and none took a memory flag on the CPU
+    commands = [*(st["command"] for st in settings.values()), srv["ngram"]["command"], srv["baseline_command"]]
+    assert srv["side_by_side"] and len({c["log"] for c in commands}) == 4
+    assert max(c["started_at"] for c in commands) < min(c["started_at"] + c["start_s"] for c in commands)
+    assert not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & {a for c in commands for a in c["argv"]}
     assert list(settings) == ["k=3", "k=1 async=off"] and srv["primary"] == "k=3"
     for name, st in settings.items():
         k = st["k"]
