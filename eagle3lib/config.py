@@ -330,6 +330,14 @@ class TrainSection(Section):
         "producer process and computes each batch's states ahead of the trainer into <run>/spool/, which the loader "
         "reads and deletes; at most train.spool_bytes of states are on disk at once, and every epoch captures its "
         "rows again (docs/engines.md#spool-producer-mode). Changing it reruns stage 02.")
+    online_batches_ahead: int = Field(
+        16, ge=1, description="train.hidden_states: online only: the target runs over the rows of this many training "
+        "batches at once (the batch being fetched and those after it), length-sorted into forwards of at most "
+        "extract.batch_tokens padded tokens as stage 02 batches its rows, and keeps their states on the device until "
+        "each batch is built. One packed batch at a time pads its rows to its longest: on the 1.5B recipe's 4x data "
+        "(8,192-token batches of ~16 rows) the target ran on 3.09 padded tokens per real token; 16 batches in "
+        "forwards of 16,384 tokens: 1.16 (benchmarks/online_padding.py). The states held: this many batches x "
+        "packing_length tokens x (aux+1) x hidden x 2 bytes (1.6 GB on the 1.5B).")
     spool_bytes: int = Field(
         8_000_000_000, ge=1, description="train.hidden_states: spool only: the disk budget of <run>/spool/, never "
         "exceeded: the loader asks the producer for the next batches' rows only while their shards (tokens x the "

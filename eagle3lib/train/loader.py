@@ -3,8 +3,8 @@
 speculators' ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn(shift_batch) are its own data pipeline;
 the DataLoader around them (`_counting_loader_class`) adds two things the stage needs: the real tokens of each batch
 (tokens/s on the bar and in the curves) and, on a GPU, the copy of the next batch to the device on a side stream.
-In online mode (`train.hidden_states: online`) the dataset is eagle3lib.train.online's, which gets each batch's
-states from the target instead of from shards; in spool mode the dataset and the sampler are eagle3lib.train.spool's,
+In online mode (`train.hidden_states: online`) the dataset and the sampler are eagle3lib.train.online's, which get
+the states of several batches at a time from the target instead of from shards; in spool mode the dataset and the sampler are eagle3lib.train.spool's,
 which ask a producer for each batch's shards ahead and delete them once read. The rest of the path is the same.
 """
 
@@ -118,9 +118,9 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
     sampler_cls: Any = MultipackDistributedBatchSamplerV2
     extra: dict[str, Any] = {}
     if online:
-        from eagle3lib.train.online import OnlineArrowDataset
+        from eagle3lib.train.online import OnlineArrowDataset, OnlineBatchSampler
 
-        dataset_cls = OnlineArrowDataset
+        dataset_cls, sampler_cls = OnlineArrowDataset, OnlineBatchSampler
     elif spool is not None:
         from eagle3lib.train.spool import SpoolArrowDataset, SpoolBatchSampler
 
@@ -138,9 +138,13 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
             ds.data = ds.data.with_format("torch")
         if split == "train" and tcfg.train_fraction < 1.0:
             keep_first(ds, math.ceil(tcfg.train_fraction * len(ds)))
-        spooled = {"spool": spool, "first_row": ds.start_file_idx} if spool is not None else {}  # asks for rows
+        tells: dict[str, Any] = {}  # whom the sampler tells each pass's batches
+        if spool is not None:  # asks the producer for the rows
+            tells = {"spool": spool, "first_row": ds.start_file_idx}
+        elif online:  # the dataset captures several batches' rows at once
+            ds.ahead, tells = tcfg.online_batches_ahead, {"dataset": ds}
         sampler = sampler_cls(batch_max_length=tcfg.packing_length, lengths=ds.approx_lengths,
-                              num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed, **spooled)
+                              num_replicas=get_dp_size(), rank=get_dp_rank(), seed=seed, **tells)
         if len(sampler) == 0:  # else a later, vaguer failure (or a rank waiting forever for the others)
             raise WorkbookError(
                 f"the {split} split (rows: {len(ds)}) gives this process (rank {get_dp_rank()} of {get_dp_size()}) no "

@@ -147,7 +147,9 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
         if transfer is not None:  # the target's share of the time (train and validation batches, this process)
             result["online_target"] = {"seconds": round(transfer.seconds, 2), "tokens": transfer.tokens,
                                        "tokens_per_s": round(transfer.tokens / transfer.seconds, 1)
-                                       if transfer.seconds > 0 else None}
+                                       if transfer.seconds > 0 else None,
+                                       "forwards": transfer.forwards, "padded_tokens": transfer.padded_tokens,
+                                       "batches_ahead": tcfg.online_batches_ahead}
         if spool is not None:  # the budget, the peak the producer saw, its time and tokens, the trainer's wait
             result["spool"] = spool.summary()
         atomic.write_json(draft_dir(rd) / "result.json", result)

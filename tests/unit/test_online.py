@@ -73,13 +73,19 @@ def test_online_batches_equal_stage_02_shards(tmp_path, tiny_llama_dir):
             else:
                 assert b_on[k] == v, k
 
-    # other compositions: the whole packed batch in one forward; conftest's reference (all 16 rows at once)
+    assert transfer.forwards == 12  # one row per forward, the epoch's rows captured together (batches ahead: 16)
+
+    # other compositions: every batch of the epoch in one forward (train.online_batches_ahead 16, the default), each
+    # packed batch in one forward (1); conftest's reference (all 16 rows at once)
     cfg_big = cfg_on.model_copy(update={"extract": cfg_on.extract.model_copy(update={"batch_tokens": 8192})})
-    batched, _ = _batches(rd_on, online=True, cfg=cfg_big)
-    for b_off, b_on in zip(offline, batched, strict=True):
-        x, y = b_off["hidden_states"], b_on["hidden_states"]
-        assert torch.equal(b_on["input_ids"], b_off["input_ids"])
-        assert (x - y).abs().max() <= ROUNDING * x.abs().max()
+    for ahead, forwards in ((16, 1), (1, len(offline))):
+        batched, transfer = _batches(rd_on, online=True, cfg=_with_train(cfg_big, online_batches_ahead=ahead))
+        assert (transfer.forwards, transfer.tokens) == (forwards, 12 * SEQ), ahead
+        assert transfer.padded_tokens == 12 * SEQ  # rows of one length: nothing to pad
+        for b_off, b_on in zip(offline, batched, strict=True):
+            x, y = b_off["hidden_states"], b_on["hidden_states"]
+            assert torch.equal(b_on["input_ids"], b_off["input_ids"])
+            assert (x - y).abs().max() <= ROUNDING * x.abs().max()
     for i in range(16):
         ours = shards.read_shard(shards.shard_path(rd_off.path("dataset"), i))["hidden_states"]
         assert (ours - reference[i]).abs().max() <= ROUNDING * reference[i].abs().max()
@@ -113,7 +119,9 @@ def test_online_and_offline_training_take_the_same_steps(tmp_path, tiny_llama_di
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), a["step"]
     for a, b in zip(curves["offline"]["val"], curves["online"]["val"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
-    assert results["online"]["hidden_states"] == "online" and results["online"]["online_target"]["tokens"] > 0
+    target = results["online"]["online_target"]
+    assert results["online"]["hidden_states"] == "online" and target["tokens"] > 0
+    assert target["padded_tokens"] >= target["tokens"] and 0 < target["forwards"] and target["batches_ahead"] == 16
     assert results["online"]["val_eal"] > results["online"]["val_eal_untrained"]
 
 

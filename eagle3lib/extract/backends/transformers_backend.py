@@ -119,6 +119,7 @@ class TransformersBackend:
                 self._handles.append(self.layers[n - 1].register_forward_hook(self._post_hook(slot)))
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.depth = 2  # batches in flight before the oldest is handed out
+        self.forwards = self.padded_tokens = 0  # what the target ran: forwards, and rows x longest row of each
 
     # hooks write each slot into the batch buffer: no list of every layer's state is kept alive
     def _store(self, slot: int, h: torch.Tensor) -> None:
@@ -142,6 +143,8 @@ class TransformersBackend:
         """Run one batch; returns the [B, T, n_slots, H] buffer (on the output device, storage dtype)."""
         lens = [len(t) for _, t in batch]
         tmax = max(lens)
+        self.forwards += 1
+        self.padded_tokens += len(batch) * tmax
         ids = torch.zeros(len(batch), tmax, dtype=torch.long)
         mask = torch.zeros(len(batch), tmax, dtype=torch.long)
         for i, (_, toks) in enumerate(batch):
