@@ -334,8 +334,9 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # else generated on PEER_GEN_ENGINES engines, default 2, and once more on one if that fails: the cache keeps
       # what was written), then the workbook's stage 05 and each arm of PEER_ARMS (default speculators_cli
       # workbook_muon) on its fork, side by side on GPU 0, then stage 06 of every arm side by side: k = 3 alone, at
-      # concurrency 1, each server in a fixed share of the GPU (the servers of up to four arms at once; tau does
-      # not depend on what else runs, the speedups do: they are then under that sharing) -> $RES/peers_$RUN.json
+      # concurrency 1, each server in a fixed share of the GPU (an arm's two servers, the draft's and the baseline's,
+      # start together as the config's evaluate.serve_side_by_side_kv_gib has them; those of up to four arms at
+      # once; tau does not depend on what else runs, the speedups do: they are then under that sharing) -> $RES/peers_$RUN.json
       # (+ .md)
       pe=(-p "evaluate.serve_concurrency=[1]" -p "evaluate.serve_grid=[{num_speculative_tokens: 3}]"
           -p "evaluate.serve_args=${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}")
@@ -363,8 +364,9 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       run_on 0 peers_workbook_06 --run "$RUN" --stages 06 "${pg[@]}" "${pe[@]}" &
       for a in $arms; do sleep 20; peers_py "peers_eval_$a" evaluate --arm "$a" "${pe[@]}" & done
       wait
-      # a stage 06 that failed beside the others runs again alone, with vLLM's own memory settings
-      pe_alone=("${pe[@]:0:4}" -p "evaluate.serve_args=[]")
+      # a stage 06 that failed beside the others runs again alone, its servers one after another with vLLM's own
+      # memory settings
+      pe_alone=("${pe[@]:0:4}" -p "evaluate.serve_args=[]" -p "evaluate.serve_side_by_side_kv_gib=null")
       grep -q "peers_workbook_06 exit 0 " "$RES/peers_workbook_06.log" || { free_gpus
         step "stage 06 of the workbook again, alone"; run_on 0 peers_workbook_06_alone --run "$RUN" --stages 06 "${pg[@]}" "${pe_alone[@]}"; }
       for a in $arms; do
