@@ -14,6 +14,9 @@ fork adds its stages' seconds (its manifests: a fork's copied stages 00-04 are t
 FILE:ARM` adds an arm of a benchmarks/hidden_state_modes.py result (e.g. the 1x recipe's one online epoch,
 benchmarks/results/hidden_state_modes_smollm2_h200_2026-12-02.json:online) as a point marked `reference`; a
 per_doubling step from or to it says `across_validation_sets`: its validation rows are its own run's, not the forks'.
+`--extend CURVE` adds the points of an earlier curve of this script (the 1.5B recipe's forks beside its run on 4x
+the data, whose validation and held-out rows are its own: those steps say `across_validation_sets` too; the
+benchmarks' questions are the same in both).
 
     python benchmarks/data_curve.py outputs/RUN-f0.25 outputs/RUN-f0.5 outputs/RUN \
         --out benchmarks/results/data_curve_qwen15_h200_$(date +%F).json --note "what ran, where, at which commit"
@@ -73,6 +76,17 @@ def reference_point(spec: str) -> dict:
             "train_seconds": arm.get("train_seconds"), "stage_seconds": arm.get("stage_seconds")}
 
 
+def curve_points(path: Path) -> list[dict]:
+    """The points of an earlier curve (this script's JSON), each marked with the file it comes from."""
+    return [{**p, "from_curve": str(path)} for p in json.loads(Path(path).read_text())["points"]]
+
+
+def source(p: dict) -> str:
+    """Where a point's validation rows come from: this call's forks share one run's, a reference or an earlier
+    curve's points their own."""
+    return p.get("reference") or p.get("from_curve") or "forks"
+
+
 def heldout_taus(p: dict) -> dict[str, float]:
     """A point's held-out tau by method, and by "benchmark/method" (empty where stage 06 did not run)."""
     taus = dict(p.get("tau_heldout") or {})
@@ -87,12 +101,15 @@ def per_doubling(points: list[dict]) -> list[dict]:
     out = []
     for a, b in zip(points, points[1:], strict=False):
         doublings = math.log2(b["tokens_per_epoch"] / a["tokens_per_epoch"])
+        if doublings < 0.1:  # about the same data twice (another run of one recipe): no gain per doubling to give
+            continue
         ta, tb = heldout_taus(a), heldout_taus(b)
         tau_gain = {key: round((tb[key] - ta[key]) / doublings, 4) for key in ta if key in tb}
         out.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3),
                     "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4),
                     **({"tau_gain_per_doubling": tau_gain} if tau_gain else {}),
-                    **({"across_validation_sets": True} if "reference" in a or "reference" in b else {})})
+                    **({"across_validation_sets": True} if source(a) != source(b) or "reference" in a
+                       or "reference" in b else {})})
     return out
 
 
@@ -133,10 +150,14 @@ def main() -> None:
     ap.add_argument("--note", default="", help="what ran, on which machine, at which commit")
     ap.add_argument("--reference", action="append", default=[], metavar="FILE:ARM",
                     help="an arm of a benchmarks/hidden_state_modes.py JSON, as a point measured elsewhere")
+    ap.add_argument("--extend", action="append", default=[], type=Path, metavar="CURVE",
+                    help="an earlier curve of this script: its points join these (e.g. the 1x recipe's forks beside "
+                         "a run on 4x the data; the step between them crosses validation sets)")
     args = ap.parse_args()
     forks = [point(r) for r in args.runs]
     refs = [reference_point(r) for r in args.reference]
-    points = sorted(forks + refs, key=lambda p: p["tokens_per_epoch"])
+    earlier = [q for c in args.extend for q in curve_points(c)]
+    points = sorted(forks + refs + earlier, key=lambda p: p["tokens_per_epoch"])
     out = {"note": args.note, "points": points, "per_doubling": per_doubling(points)}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     plot(points, args.out.with_suffix(".png"), f"data-volume curve: {', '.join(p['run'] for p in points)}")
