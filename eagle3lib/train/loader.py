@@ -4,8 +4,9 @@ speculators' ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn(shift
 the DataLoader around them (`_counting_loader_class`) adds two things the stage needs: the real tokens of each batch
 (tokens/s on the bar and in the curves) and, on a GPU, the copy of the next batch to the device on a side stream.
 In online mode (`train.hidden_states: online`) the dataset and the sampler are eagle3lib.train.online's, which get
-the states of several batches at a time from the target instead of from shards; in spool mode the dataset and the sampler are eagle3lib.train.spool's,
-which ask a producer for each batch's shards ahead and delete them once read. The rest of the path is the same.
+the states of several batches at a time from the target instead of from shards; in spool mode they are
+eagle3lib.train.spool's, which ask a producer for each batch's shards ahead and delete them once read. The rest of the
+path is the same.
 """
 
 from __future__ import annotations
