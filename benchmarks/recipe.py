@@ -14,6 +14,9 @@ GPU host as well as one made here:
                         evaluate.serve_grid; `recommended_settings` beside it (the setting per level, or None = serve
                         no draft there) and the report card's `verdict`
   stage_seconds, gpu_seconds (stages 02, 05 and 06: the ones that hold a GPU), disk_bytes (stage 02's states)
+  where the time went: stage 05's `train_phase_seconds` and, online, `online_target` (the target's seconds, tokens,
+                        forwards and padded tokens); stage 06's `serve_start_s` (each server's start) and
+                        `serve_side_by_side` (whether they started at once)
 """
 
 from __future__ import annotations
@@ -58,7 +61,22 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
             "verdict": (serve.get("verdict") or {}).get("line"),
             "stage_seconds": {m["stage"]: m.get("seconds") for m in ms.values()},
             "gpu_seconds": round(sum(m.get("seconds") or 0 for m in ms.values() if m["stage"][:2] in GPU_STAGES), 1),
-            "disk_bytes": m02.get("bytes")}
+            "disk_bytes": m02.get("bytes"),
+            "train_phase_seconds": draft.get("phase_seconds"), "online_target": draft.get("online_target"),
+            "serve_side_by_side": serve.get("side_by_side"), "serve_start_s": serve_starts(serve)}
+
+
+def serve_starts(serve: dict[str, Any]) -> dict[str, float | None]:
+    """Each server's start, in seconds, by its setting ('baseline', 'ngram' for the draft-free ones; a run from
+    before evaluate.serve_grid has one draft server, 'draft')."""
+    settings = serve.get("settings") or ({"draft": serve} if serve.get("command") else {})
+    out = {label: (st.get("command") or {}).get("start_s") for label, st in settings.items()}
+    if serve.get("ngram"):
+        out["ngram"] = (serve["ngram"].get("command") or {}).get("start_s")
+    base = next((st.get("baseline_command") for st in settings.values()), None)
+    if base:
+        out["baseline"] = base.get("start_s")
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:
