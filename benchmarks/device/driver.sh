@@ -208,6 +208,9 @@ poll)
   pack_runs "$OUT/runs.tgz"
   cat "$RES/plan.log"; grep -h "done in\|exit\|rror" "$RES"/*.log | tail -n 12
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv
+  # the compile caches a later session could carry instead of compiling again (the draft's torch.compile, vLLM's
+  # graphs and Triton kernels): their sizes, once the plan is done
+  [ -f "$RES/DONE" ] && du -sh /tmp/torchinductor_* ~/.triton outputs/*/cache/vllm 2>/dev/null
   ;;
 plan)
   source /tmp/eagle3-env.sh
