@@ -18,9 +18,10 @@ Arms (`ARMS`; the workbook as configured is always one):
   workbook_muon     the workbook's stage 05 on a fork with the optimizer and schedule speculators' CLI defaults to
                     (`WORKBOOK_VARIANTS`): beside speculators_cli it separates the optimizer from the harness.
   workbook_epochs_x2  the workbook's stage 05 on a fork with twice train.epochs: do more optimizer steps pay?
-  specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`): it pins
-                    sglang==0.5.14 (and its CUDA kernel packages) and transformers==5.8.1, none of them on the GPU
-                    host's image, and its offline mode trains on hidden states SGLang captures in its own format.
+  specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`; docs/engines.md#peers):
+                    its own capture needs SGLang 0.5.14 (sglang-kernel 0.4.4 alone is a 615 MB wheel), too much to
+                    carry beside the workbook's bundle in one GPU session; its trainer (offline, from per-sample
+                    files) imports without SGLang but trains only on a GPU (its EAGLE-3 loss is a Triton kernel).
 
 Per arm: tau on the held-out prompts and on every evaluate.benchmarks set (stage 06, serve method: the draft's
 `vllm serve` counters), validation EAL (speculators' own validation metrics on the same validation rows), training
@@ -68,11 +69,12 @@ WORKBOOK_VARIANTS: dict[str, Any] = {
 }
 ARMS = (CLI_ARM, *WORKBOOK_VARIANTS)
 SPECFORGE_SKIPPED = (
-    "not run: SpecForge 0.2.0 (PyPI) requires sglang==0.5.14 (whose own requirements include sglang-kernel 0.4.4, "
-    "flashinfer-python 0.6.12, flash-attn-4 4.0.0b15, tilelang, torchao 0.17, torchaudio 2.11) and "
-    "transformers==5.8.1; the GPU host's image has none of them (transformers 5.17.0, which vLLM 0.26 and the "
-    "workbook use) and reaches no package index, and its offline mode trains on hidden states that SGLang "
-    "captures in SpecForge's own format, not on these shards")
+    "not run: SpecForge 0.2.0 (PyPI) captures hidden states through SGLang 0.5.14 (sglang-kernel 0.4.4 alone is a "
+    "615 MB wheel, with flashinfer, flash-attn-4, tilelang, torchao, transformers 5.8.1 beside it), which the GPU "
+    "host lacks and which does not fit beside the workbook's bundle in one session; its trainer alone (offline, "
+    "from per-sample .ckpt files with the post-norm final state) imports without SGLang but its EAGLE-3 loss is a "
+    "Triton kernel, so an arm of it on these shards would run on the GPU only, untested on the CPU: not built "
+    "(docs/engines.md#peers)")
 
 
 def fork_name(run: str, arm: str) -> str:
