@@ -42,11 +42,17 @@ def arm_summary(run_dir: Path) -> dict:
                         for p in sorted(run_dir.glob(f"manifests/{s}_*.json"))}}
 
 
+def embedded_by_group(results: dict) -> dict:
+    """{group: the embedded decoder's acceptance} from stage 06's results."""
+    groups = (results.get("held_out_groups") or {}).get("groups") or {}
+    return {g: row["by_method"]["embedded"] for g, row in groups.items() if "embedded" in row["by_method"]}
+
+
 def embedded_pairing(a: Path, b: Path) -> dict:
-    """The embedded τ of both arms compared category by category (stage 06's `embedded_by_category`: the same
-    held-out prompts), the mean difference's standard error across categories, and the outputs both arms share."""
+    """The embedded τ of both arms compared group by group (stage 06's `held_out_groups`: the same held-out prompts
+    by source or category), the mean difference's standard error across groups, and the outputs both arms share."""
     ra, rb = (json.loads((r / "eval" / "results.json").read_text()) for r in (a, b))
-    ca, cb = ra.get("embedded_by_category") or {}, rb.get("embedded_by_category") or {}
+    ca, cb = (embedded_by_group(r) for r in (ra, rb))
     delta = {c: round(cb[c]["tau"] - ca[c]["tau"], 4) for c in ca if c in cb}
     if len(delta) < 2:
         return {}

@@ -9,7 +9,8 @@ GPU host as well as one made here:
   tau_by_benchmark      {"heldout": ..., "mt_bench": ..., ...}: the draft's tau on the held-out prompts and on each
                         evaluate.benchmarks set, from the server's counters where the serve step ran (else the
                         embedded decoder, else vLLM in-process: `eagle3lib.evaluate.report.COMPARE_LIVE`), and which
-                        row it is (`tau_row`)
+                        row it is (`tau_row`); `tau_heldout_by` the same row's tau per held-out source (or
+                        category: stage 06's `held_out_groups`)
   speedup_by_concurrency  output tokens/s with the draft / without it at each level, at that level's best setting of
                         evaluate.serve_grid; `recommended_settings` beside it (the setting per level, or None = serve
                         no draft there) and the report card's `verdict`
@@ -48,6 +49,8 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     taus: dict[str, float | None] = {"heldout": ((results.get("by_method") or {}).get(row) or {}).get("tau")}
     for name, bench in (results.get("tau_by_benchmark") or {}).items():
         taus[name] = ((bench.get("by_method") or {}).get(row) or {}).get("tau")
+    held_out = results.get("held_out_groups") or {}
+    by_group = {g: (r["by_method"].get(row) or {}).get("tau") for g, r in (held_out.get("groups") or {}).items()}
     serve = results.get("serve") or {}
     return {"run": run_dir.name, "target": (ms.get("02", {}).get("outputs") or {}).get("model_dir"),
             "train_tokens": draft.get("train_tokens"), "train_rows": draft.get("train_rows"),
@@ -56,6 +59,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
             "val_tau_walk": draft.get("val_tau_walk"),
             "train_seconds": draft.get("train_seconds"),
             "tau_by_benchmark": taus if row else {}, "tau_row": row,
+            "tau_heldout_by": {"by": held_out.get("by"), "tau": by_group} if row and by_group else None,
             "speedup_by_concurrency": serve.get("speedup_by_concurrency"),
             "recommended_settings": serve.get("recommended_settings"),
             "verdict": (serve.get("verdict") or {}).get("line"),

@@ -58,13 +58,20 @@ def inputs_from_run(stage: StageRun) -> EvalInputs:
                       cache_dir=cache_root(stage.cfg))
 
 
-def held_out_categories(inp: EvalInputs, limit: int | None) -> list[str] | None:
-    """The category of each held-out prompt (the bundled set has 8), in prompt order; None where there are none."""
+def held_out_groups(inp: EvalInputs, limit: int | None) -> tuple[str, list[str]] | None:
+    """("source" or "category", each held-out prompt's label in prompt order): their data sources where they come
+    from more than one (a mix: which source a draft falls short on says which data to add), else their categories
+    (the bundled set alone has 8); None where the prompts carry neither (a run's eval.jsonl before sources were
+    recorded keeps its categories)."""
     if not inp.eval_prompts.is_file():
         return None
-    cats = [r.get("category") for r in jsonl.read(inp.eval_prompts)]
-    cats = cats[:limit] if limit else cats
-    return [str(c) for c in cats] if cats and all(cats) else None
+    records = jsonl.read(inp.eval_prompts)
+    records = records[:limit] if limit else records
+    for by in ("source", "category"):
+        labels = [r.get(by) for r in records]
+        if labels and all(labels) and (by == "category" or len(set(labels)) > 1):
+            return by, [str(x) for x in labels]
+    return None
 
 
 def held_out_prompt_ids(inp: EvalInputs, tok: Any | None, limit: int | None) -> tuple[list[list[int]], str]:

@@ -44,7 +44,7 @@ from eagle3lib.device import auto_device, dtype_name, torch_dtype
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate import benchmarks
 from eagle3lib.evaluate.decoder import Acceptance
-from eagle3lib.evaluate.inputs import EvalInputs, eos_ids, held_out_categories, held_out_prompt_ids, inputs_from_run
+from eagle3lib.evaluate.inputs import EvalInputs, eos_ids, held_out_groups, held_out_prompt_ids, inputs_from_run
 from eagle3lib.evaluate.keys import (
     BENCH_ALL,
     BENCH_PATH,
@@ -61,12 +61,22 @@ from eagle3lib.target import load_tokenizer
 log = logging.getLogger("eagle3lib.evaluate")
 
 
-def by_category(categories: list[str], acceptances: list[dict[str, Any]], k: int) -> dict[str, dict[str, Any]]:
-    """Per-prompt acceptances merged by category: where a draft falls short (a data mix to fix, a language)."""
+def by_group(labels: list[str], acceptances: list[dict[str, Any]], k: int) -> dict[str, dict[str, Any]]:
+    """Per-prompt acceptances merged by label (`inputs.held_out_groups`): where a draft falls short (a source or
+    category to add data for, a language)."""
     out: dict[str, Acceptance] = {}
-    for cat, a in zip(categories, acceptances, strict=True):
-        out.setdefault(cat, Acceptance(k)).merge(Acceptance.from_dict(a))
-    return {cat: {**a.to_dict(), "prompts": categories.count(cat)} for cat, a in sorted(out.items())}
+    for label, a in zip(labels, acceptances, strict=True):
+        out.setdefault(label, Acceptance(k)).merge(Acceptance.from_dict(a))
+    return {label: {**a.to_dict(), "prompts": labels.count(label)} for label, a in sorted(out.items())}
+
+
+def add_held_out_groups(results: dict[str, Any], by: str, method: str, groups: dict[str, dict[str, Any]]) -> None:
+    """One method's acceptance per held-out group (`by_group`'s shape) into results["held_out_groups"]: {"by":
+    "source" | "category", "groups": {label: {"prompts", "by_method": {method: acceptance}}}}, beside the other
+    methods' rows for the same prompts."""
+    into = results.setdefault("held_out_groups", {"by": by, "groups": {}})["groups"]
+    for label, acc in groups.items():
+        into.setdefault(label, {"prompts": acc["prompts"], "by_method": {}})["by_method"][method] = acc
 
 
 def load_target(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
@@ -448,9 +458,9 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
         emb = done.run("embedded", embedded, results)
         results[EMBEDDED] = {key: v for key, v in emb.items() if key not in ("outputs", "verified", "acceptances")}
         results["by_method"][EMBEDDED] = emb["acceptance"]
-        categories = held_out_categories(inp, cfg.num_prompts) if tok is not None else None
-        if categories and len(categories) == len(emb.get("acceptances") or []):
-            results["embedded_by_category"] = by_category(categories, emb["acceptances"], k)
+        groups = held_out_groups(inp, cfg.num_prompts) if tok is not None else None
+        if groups and len(groups[1]) == len(emb.get("acceptances") or []):
+            add_held_out_groups(results, groups[0], EMBEDDED, by_group(groups[1], emb["acceptances"], k))
         continuations = emb["verified"]
         results["embedded_outputs"] = emb["outputs"]
     if "offline" in cfg.methods:

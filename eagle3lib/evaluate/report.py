@@ -137,6 +137,19 @@ def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None
             for name, q, n, d, accs in sets]
 
 
+def held_out_group_table(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The held-out prompts' τ per source (or category: `inputs.held_out_groups`), one column per method that
+    measured them (the embedded decoder; the draft's and n-gram lookup's servers, from the outputs pass), and the
+    per-position rates of the first; [] without groups."""
+    groups = (results.get("held_out_groups") or {}).get("groups") or {}
+    methods = [m for m in BENCH_METHODS if any(m in g["by_method"] for g in groups.values())]
+    by = (results.get("held_out_groups") or {}).get("by")
+    return [{by: label, "prompts": g["prompts"],
+             **{f"τ {m}": (g["by_method"].get(m) or {}).get("tau") for m in methods},
+             f"per position ({methods[0]})": per_position(g["by_method"].get(methods[0]) or {})}
+            for label, g in groups.items()] if methods else []
+
+
 def bench_methods(benches: dict[str, Any]) -> list[str]:
     """The method rows the benchmarks were measured with, in BENCH_METHODS order."""
     have = {m for b in benches.values() for m in b.get("by_method", {})}
@@ -294,12 +307,11 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         rows = [[r["method"], r["tau"], r["tokens_per_step"], r["draft_acceptance_rate"], per_position(r),
                  r["drafts"]] for r in summary_table(results)]
         out += [_table(["method", "τ", "tokens per step", "draft acceptance", "per position", "drafts"], rows), ""]
-        cats = results.get("embedded_by_category")
-        if cats:
-            out += ["τ by category of the held-out prompts (embedded decoder):", "",
-                    _table(["category", "prompts", "τ", "per position"],
-                           [[c, a["prompts"], a["tau"], per_position(a)]
-                            for c, a in cats.items()]), ""]
+        rows = held_out_group_table(results)
+        if rows:
+            by = results["held_out_groups"]["by"]
+            out += [f"τ on the held-out prompts by {by} (the {by}s a draft falls short on: the data to add; a few "
+                    "prompts each, so a rough guide):", "", _table(list(rows[0]), [list(r.values()) for r in rows]), ""]
         out += benchmark_lines(results, m02)
         sweep = results.get("sweep", {})
         if sweep:

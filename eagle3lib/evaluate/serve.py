@@ -53,7 +53,14 @@ from eagle3lib import atomic, jsonl
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
-from eagle3lib.evaluate.methods import FinishedMethods, count_identical, tokens_per_step, vllm_job, with_tokens_per_step
+from eagle3lib.evaluate.methods import (
+    FinishedMethods,
+    add_held_out_groups,
+    count_identical,
+    tokens_per_step,
+    vllm_job,
+    with_tokens_per_step,
+)
 from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, recommend, verdict
 
 log = logging.getLogger("eagle3lib.evaluate")
@@ -237,7 +244,7 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     from eagle3lib.config import benchmark_name
     from eagle3lib.device import auto_device, dtype_name
     from eagle3lib.evaluate import benchmarks
-    from eagle3lib.evaluate.inputs import held_out_prompt_ids, inputs_from_run
+    from eagle3lib.evaluate.inputs import held_out_groups, held_out_prompt_ids, inputs_from_run
     from eagle3lib.target import load_tokenizer
 
     cfg = stage.cfg
@@ -248,6 +255,7 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     dname = dtype_name(cfg.target.dtype, device)
     tok = load_tokenizer(cfg.target, inp.model_dir, chat=False)
     prompts = held_out_prompt_ids(inp, tok, cfg.evaluate.num_prompts)[0] if tok is not None else []
+    groups = held_out_groups(inp, cfg.evaluate.num_prompts) if tok is not None else None
     files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.evaluate.benchmarks])
     bench_items = {n: benchmarks.select_items(benchmarks.read_items(p), cfg.evaluate.benchmark_prompts)
                    for n, p in files.items()}
@@ -255,6 +263,7 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     fingerprint = {"k": cfg.evaluate.num_draft_tokens, "dtype": dname, "checkpoint": str(inp.checkpoint),
                    "weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights.is_file() else None,
                    "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+                   "held_out_groups": list(groups) if groups else None,  # as partial.json reads it back
                    "benchmarks": benchmarks.fingerprint(files, cfg.evaluate.benchmark_prompts)}
     import torch
 
@@ -262,7 +271,7 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
     results["serve"] = run_serve(cfg, inp, tok, prompts, stage.rd.path("eval", "serve"), dname, device, fingerprint,
-                                 bench_items, progress=progress)
+                                 bench_items, groups[1] if groups else None, progress=progress)
     results["serve"]["verdict"] = verdict(results["serve"], read_data_curve(data_curve_path(cfg, stage.rd.root)))
     if rows := results["serve"].pop("benchmark_rows"):
         add_benchmark_rows(results.setdefault("tau_by_benchmark", {}), rows)
@@ -270,16 +279,22 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     results.setdefault("by_method", {})[SERVE] = results["serve"]["acceptance"]
     if "ngram" in results["serve"]:
         results["by_method"][NGRAM_SERVE] = results["serve"]["ngram"]["acceptance"]
+    if groups:  # the primary setting's server and n-gram lookup's, beside the embedded decoder's rows
+        primary = results["serve"]["settings"][results["serve"]["primary"]]
+        for method, row in ((SERVE, primary), (NGRAM_SERVE, results["serve"].get("ngram"))):
+            if row and row.get("held_out_by_group"):
+                add_held_out_groups(results, groups[0], method, row["held_out_by_group"])
     atomic.write_json(stage.rd.path("eval", "results.json"), results)
     return results
 
 
 def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str, device: str,
               fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
-              progress: bool = True) -> dict[str, Any]:
-    """The serve method (see the module docstring): every server, every level, the outputs compared, each
-    benchmark's items asked of the first setting's server (`ask_on_server`; result["benchmark_rows"]), and the
-    recommendation per level (`recommend`)."""
+              group_labels: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
+    """The serve method (see the module docstring): every server, every level, the outputs compared (asked by
+    held-out group, `complete_by_group`: each speculating server's τ per group), each benchmark's items asked of the
+    first setting's server (`ask_on_server`; result["benchmark_rows"]), and the recommendation per level
+    (`recommend`)."""
     from tqdm.auto import tqdm
 
     from eagle3lib.device import on_cpu
@@ -354,7 +369,8 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                     bar.update(1)
                 if not store.has(f"{sid} outputs"):
                     bar.set_postfix(server=sid, outputs="token ids")
-                    store.run(f"{sid} outputs", partial(server.complete, prompts, max_tokens), scratch)
+                    store.run(f"{sid} outputs", partial(
+                        complete_by_group, server, prompts, group_labels, max_tokens, plan.k), scratch)
                 for name in asks[sid]:
                     if not store.has(f"{sid} {name}"):
                         bar.set_postfix(server=sid, asking=name)
@@ -370,14 +386,15 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     settings = {p.label: {"setting": p.label, "speculative_config": p.spec, "serve_flags": list(p.flags),
                           **aggregate(store, levels, n_req, p.k, prompts, workdir, p.id, "eagle3")} for p in drafts}
     ngram = next((p for p in plans if p.role == "ngram"), None)
-    checked = tie_check(cfg, inp, prompts, store.methods["baseline outputs"]["value"],
-                        {p.id: store.methods[f"{p.id} outputs"]["value"] for p in speculating}, device)
+    outputs = {p.id: store.methods[f"{p.id} outputs"]["value"] for p in plans}  # complete_by_group's
+    checked = tie_check(cfg, inp, prompts, outputs["baseline"]["ids"],
+                        {p.id: outputs[p.id]["ids"] for p in speculating}, device)
     for p in drafts:
-        settings[p.label].update(checked[p.id])
+        settings[p.label].update(checked[p.id], held_out_by_group=outputs[p.id]["by_group"])
     result = recommend(settings, levels, primary.label)
     if ngram is not None:
         result["ngram"] = {**aggregate(store, levels, n_req, k, prompts, workdir, ngram.id, "ngram"),
-                           **checked[ngram.id]}
+                           **checked[ngram.id], "held_out_by_group": outputs[ngram.id]["by_group"]}
     result.update(k=primary.k, primary=primary.label, settings=settings, concurrency=levels,
                   requests={str(c): n for c, n in n_req.items()}, prompts=len(prompts), prompt_tokens_exact=exact,
                   max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname, reused=reused,
@@ -422,6 +439,31 @@ def in_turn(plans: list[ServerPlan], server_of: Any, side_by_side: bool,
         for plan, server in zip(plans, servers, strict=True):
             yield plan, server
             server.stop()  # its turn is over: its memory goes back before the next is measured
+
+
+def complete_by_group(server: Any, prompts: list[list[int]], labels: list[str] | None, max_tokens: int,
+                      k: int) -> dict[str, Any]:
+    """The held-out prompts' greedy outputs (token ids, in prompt order: what the tie check compares), asked one
+    group at a time (`inputs.held_out_groups`: their sources or categories) between two reads of the server's
+    spec-decode counters: τ per group from the same requests, none extra. Every server asks in the same groups, so
+    the outputs compared come from the same batches. Returns {"ids", "by_group": {label: acceptance, prompts,
+    generated, tokens_per_step}} (by_group empty for the target alone, or without labels: then one request)."""
+    from eagle3lib.evaluate.server import counters_delta
+
+    labels = labels or [""] * len(prompts)
+    ids: list[list[int]] = [[] for _ in prompts]
+    by_group: dict[str, dict[str, Any]] = {}
+    for label in dict.fromkeys(labels):
+        idx = [i for i, x in enumerate(labels) if x == label]
+        before = server.spec_counters()
+        for i, out in zip(idx, server.complete([prompts[i] for i in idx], max_tokens), strict=True):
+            ids[i] = out
+        delta = counters_delta(before, server.spec_counters(), k)
+        if label and delta:
+            acc, generated = Acceptance.from_dict(delta), sum(len(ids[i]) for i in idx)
+            by_group[label] = {**acc.to_dict(), "prompts": len(idx), "generated": generated,
+                               "tokens_per_step": tokens_per_step(generated, acc.accepted)}
+    return {"ids": ids, "by_group": dict(sorted(by_group.items()))}
 
 
 def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens: int, k: int) -> dict[str, Any]:
@@ -557,7 +599,7 @@ def aggregate(store: FinishedMethods, levels: list[int], n_req: dict[int, int], 
         }
     speedup = {c: r["output_tok_s_ratio"] for c, r in by_level.items()}
     below = next((int(c) for c, s in speedup.items() if s is not None and s < 1.0), None)
-    spec_out, base_out = store.methods[f"{sid} outputs"]["value"], store.methods["baseline outputs"]["value"]
+    spec_out, base_out = (store.methods[f"{v} outputs"]["value"]["ids"] for v in (sid, "baseline"))
     generated = sum(store.methods[f"{sid} c={c}"]["value"]["total_output_tokens"] or 0 for c in levels)
     acceptance = {**total.to_dict(), "tokens_per_step": tokens_per_step(generated, total.accepted)}
     return {"k": k, "concurrency": levels, "requests": {str(c): n for c, n in n_req.items()}, "prompts": len(prompts),

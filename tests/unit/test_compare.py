@@ -141,9 +141,14 @@ def test_a_runs_result_json_reads_the_same_rows_as_compare(tmp_path):
     assert s["stage_seconds"] == {"02": 40.0, "05": 100.0, "06": 60.0} and s["gpu_seconds"] == 200.0
     assert s["val_eal"] == 2.5 and s["train_tokens"] is None  # no draft/result.json: stage 05's manifest alone
     assert run_summary(qwen)["tau_by_benchmark"] == {"heldout": 2.9, "mt_bench": 3.1, "alpaca_eval": 2.7}
+    assert s["tau_heldout_by"] is None  # no held-out groups recorded
     embedded_only = _write_run(tmp_path / "embedded", [2, 15, 27, 30], 2.0, {"05": 10.0}, {
         "by_method": {EMBEDDED: _acc(1.9)},
-        "tau_by_benchmark": {"mt_bench": {"by_method": {EMBEDDED: _acc(2.2)}}}})
+        "tau_by_benchmark": {"mt_bench": {"by_method": {EMBEDDED: _acc(2.2)}}},
+        "held_out_groups": {"by": "source", "groups": {
+            "bundled": {"prompts": 3, "by_method": {EMBEDDED: _acc(1.6)}},
+            "sharegpt": {"prompts": 1, "by_method": {EMBEDDED: _acc(2.8)}}}}})
     s = run_summary(embedded_only)
     assert s["tau_row"] == EMBEDDED and s["tau_by_benchmark"] == {"heldout": 1.9, "mt_bench": 2.2}
+    assert s["tau_heldout_by"] == {"by": "source", "tau": {"bundled": 1.6, "sharegpt": 2.8}}
     assert run_summary(tmp_path / "nothing")["tau_by_benchmark"] == {}  # no stage 06: no τ, no error

@@ -92,6 +92,23 @@ def test_eval_split_is_first_disjoint_stratified_and_seeded():
         prepare.split_eval(recs[:3], 3, seed=0)
 
 
+def test_eval_split_holds_out_the_same_prompts_whatever_else_a_config_reads():
+    """The draw follows each conversation's own text: the records in another order, another source beside them or
+    more of one category (a larger ShareGPT limit) leave every other category's held-out prompts as they were, so
+    two configs' held-out τ compare."""
+    recs = [chat(i) for i in range(60)]
+    evals, _ = prepare.split_eval(recs, 6, seed=0)  # two of each of the categories a, b, c
+
+    def picks(held: list[dict], cats: str) -> list[dict]:
+        return [r for r in held if r["category"] in cats]
+
+    assert prepare.split_eval(list(reversed(recs)), 6, seed=0)[0] == evals
+    more_d = [dict(chat(i), category="d") for i in range(100, 160)]
+    assert picks(prepare.split_eval(recs + more_d, 8, seed=0)[0], "abc") == picks(evals, "abc")
+    more_a = [dict(chat(i), category="a") for i in range(200, 260)]
+    assert picks(prepare.split_eval(more_a + recs, 6, seed=0)[0], "bc") == picks(evals, "bc")
+
+
 def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2(smol_tok):
     conv = chat(7, turns=2)["messages"]
     conv.insert(0, {"role": "system", "content": "You answer sums."})

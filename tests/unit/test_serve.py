@@ -167,6 +167,50 @@ def test_the_server_counters_are_read_as_vllm_writes_them(tmp_path):
                                                 "per_pos": [4, 3, 1]}
 
 
+class CountingServer:
+    """A stand-in for `server.VllmServer` (the real one is in the sweep test below): each prompt's "completion" is
+    its own tokens reversed, and every completed token after a prompt's first counts as one draft with one accepted
+    token when the token is even, as the server's cumulative /metrics counters would."""
+
+    def __init__(self, speculating: bool):
+        self.speculating, self.counters, self.requests = speculating, [0, 0], []
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        self.requests.append(len(prompts))
+        outs = [list(reversed(p))[:max_tokens] for p in prompts]
+        for o in outs:
+            self.counters[0] += len(o) - 1
+            self.counters[1] += sum(t % 2 == 0 for t in o[1:])
+        return outs
+
+    def spec_counters(self) -> dict | None:
+        drafts, accepted = self.counters
+        return {"drafts": drafts, "draft_tokens": drafts, "accepted": accepted, "per_pos": [accepted]} \
+            if self.speculating else None
+
+
+def test_the_outputs_pass_asks_by_held_out_group_and_counts_each_group():
+    """`complete_by_group`: outputs in prompt order whatever the grouping, one request per group, each group's
+    counters its own prompts' (the target alone: no counters, no groups; no labels: one request)."""
+    from eagle3lib.evaluate.serve import complete_by_group
+
+    prompts = [[1, 2, 3], [4, 6], [5, 7, 8, 10], [2]]
+    labels = ["sharegpt", "bundled", "sharegpt", "writingbench"]
+    srv = CountingServer(speculating=True)
+    out = complete_by_group(srv, prompts, labels, 3, 1)
+    assert out["ids"] == [[3, 2, 1], [6, 4], [10, 8, 7], [2]] and srv.requests == [2, 1, 1]
+    by = out["by_group"]
+    assert list(by) == ["bundled", "sharegpt", "writingbench"]
+    assert (by["sharegpt"]["prompts"], by["sharegpt"]["drafts"], by["sharegpt"]["accepted"]) == (2, 4, 2)
+    assert (by["bundled"]["drafts"], by["bundled"]["accepted"], by["bundled"]["generated"]) == (1, 1, 2)
+    assert by["writingbench"]["drafts"] == 0 and by["sharegpt"]["tau"] == pytest.approx(1.5)
+    base = CountingServer(speculating=False)
+    assert complete_by_group(base, prompts, labels, 3, 1) == {"ids": out["ids"], "by_group": {}}
+    alone = CountingServer(speculating=True)
+    assert complete_by_group(alone, prompts, None, 3, 1) == {"ids": out["ids"], "by_group": {}}
+    assert alone.requests == [4]
+
+
 def _setting(label: str, tok_s: dict[str, float], base: dict[str, float], tau: float) -> dict:
     """A draft setting's part of results["serve"] as `serve.aggregate` writes it, with only what `recommend` and
     `verdict` read."""
@@ -236,7 +280,8 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
                              "evaluate.serve_requests=4", "evaluate.max_new_tokens=8",
                              "evaluate.benchmarks=[mt_bench]", "evaluate.benchmark_prompts=2"])
     rd = RunDir.create(cfg)
-    prompts = "".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS)
+    prompts = "".join(json.dumps({"messages": [{"role": "user", "content": q}], "category": "chat", "source": src})
+                      + "\n" for q, src in zip(QUESTIONS, ("bundled", "alpaca_eval") * 2, strict=True))
     atomic.write_text(rd.path("data", "eval.jsonl"), prompts)
     benches = prepare.write_benchmarks(cfg, rd.path("data"))  # stage 02's own writer
     rd.write_manifest(get_stage("02"), started=time.time(), outputs={
@@ -397,6 +442,16 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert result.results["by_method"][NGRAM_SERVE] == ng["acceptance"]
     assert result.results["by_method"][SERVE] == settings["k=3"]["acceptance"] == srv["acceptance"]
     assert srv["identical"] == srv["prompts"] == 4 and srv["differ_otherwise"] == 0
+    # the outputs pass, asked a held-out source at a time (stage 02's eval.jsonl records each prompt's): every
+    # speculating server's counters per source, its prompts' own
+    hg = result.results["held_out_groups"]
+    assert hg["by"] == "source" and list(hg["groups"]) == ["alpaca_eval", "bundled"]
+    for g in hg["groups"].values():
+        assert g["prompts"] == 2 and set(g["by_method"]) == {SERVE, NGRAM_SERVE}
+        for acc in g["by_method"].values():
+            assert acc["draft_tokens"] == 3 * acc["drafts"] and 0 < acc["generated"] <= 2 * 8
+            assert 1.0 <= acc["tokens_per_step"] <= 4.0 and acc["prompts"] == 2
+    assert {s: g["by_method"][SERVE] for s, g in hg["groups"].items()} == settings["k=3"]["held_out_by_group"]
     # the report card's first line (under its title) is the verdict; then each level's recommended setting, and the
     # command that serves it (the target alone's where no setting pays at concurrency 1)
     report = stage.rd.path("report.md").read_text()
@@ -437,6 +492,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         user1, answer, user2 = a["messages"]
         assert (user1["role"], answer["role"], user2["role"]) == ("user", "assistant", "user") and answer["content"]
     assert "| mt_bench | 2 | 4 |" in report and f"τ {SERVE}" in report
+    assert "τ on the held-out prompts by source" in report and "| bundled | 2 |" in report
     ng_whole = mt["by_method"][NGRAM_SERVE]  # n-gram lookup's server asked the same turns
     assert ng_whole["draft_tokens"] == 3 * ng_whole["drafts"] and ng_whole["tokens_per_step"] >= 1.0
     assert sum(g["by_method"][NGRAM_SERVE]["drafts"] for g in mt["by_category"].values()) == ng_whole["drafts"]
