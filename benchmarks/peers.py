@@ -20,8 +20,9 @@ Arms (`ARMS`; the workbook as configured is always one):
   workbook_epochs_x2  the workbook's stage 05 on a fork with twice train.epochs: do more optimizer steps pay?
   specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`; docs/engines.md#peers):
                     its own capture needs SGLang 0.5.14 (sglang-kernel 0.4.4 alone is a 615 MB wheel), too much to
-                    carry beside the workbook's bundle in one GPU session; its trainer (offline, from per-sample
-                    files) imports without SGLang but trains only on a GPU (its EAGLE-3 loss is a Triton kernel).
+                    carry beside the workbook's bundle in one GPU session; its trainer imports without SGLang but
+                    trains from per-sample files of bf16 states (78.6 GB for the 1.5B recipe's tokens: more than the
+                    GPU host's 64 GB disk) and only on a GPU (its EAGLE-3 loss is a Triton kernel).
 
 Per arm: tau on the held-out prompts and on every evaluate.benchmarks set (stage 06, serve method: the draft's
 `vllm serve` counters), validation EAL (speculators' own validation metrics on the same validation rows), training
@@ -71,10 +72,11 @@ ARMS = (CLI_ARM, *WORKBOOK_VARIANTS)
 SPECFORGE_SKIPPED = (
     "not run: SpecForge 0.2.0 (PyPI) captures hidden states through SGLang 0.5.14 (sglang-kernel 0.4.4 alone is a "
     "615 MB wheel, with flashinfer, flash-attn-4, tilelang, torchao, transformers 5.8.1 beside it), which the GPU "
-    "host lacks and which does not fit beside the workbook's bundle in one session; its trainer alone (offline, "
-    "from per-sample .ckpt files with the post-norm final state) imports without SGLang but its EAGLE-3 loss is a "
-    "Triton kernel, so an arm of it on these shards would run on the GPU only, untested on the CPU: not built "
-    "(docs/engines.md#peers)")
+    "host lacks and which does not fit beside the workbook's bundle in one session; its trainer alone trains "
+    "offline from per-sample .ckpt files of bf16 states (the three aux layers and the post-norm final state: "
+    "12,288 bytes per token of the 1.5B, 78.6 GB for the recipe's 6.40M tokens, more than the host's 64 GB disk; "
+    "its loader passes them to the draft as stored, so no FP8) and its EAGLE-3 loss is a Triton kernel (GPU only, "
+    "untestable on the CPU): not built (docs/engines.md#peers)")
 
 
 def fork_name(run: str, arm: str) -> str:
