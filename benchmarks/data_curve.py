@@ -16,7 +16,8 @@ benchmarks/results/hidden_state_modes_smollm2_h200_2026-12-02.json:online) as a 
 per_doubling step from or to it says `across_validation_sets`: its validation rows are its own run's, not the forks'.
 `--extend CURVE` adds the points of an earlier curve of this script (the 1.5B recipe's forks beside its run on 4x
 the data, whose validation and held-out rows are its own: those steps say `across_validation_sets` too; the
-benchmarks' questions are the same in both).
+benchmarks' questions are the same in both). A step's held-out tau gain is given only between points that asked
+the same held-out prompts (one curve's forks, or stage 06's `held_out_digest` equal); its benchmark gains always.
 
     python benchmarks/data_curve.py outputs/RUN-f0.25 outputs/RUN-f0.5 outputs/RUN \
         --out benchmarks/results/data_curve_qwen15_h200_$(date +%F).json --note "what ran, where, at which commit"
@@ -58,7 +59,8 @@ def held_out(run_dir: Path) -> dict:
     if not path.is_file():
         return {}
     res = json.loads(path.read_text())
-    out = {"eval_k": res.get("k"), "tau_heldout": {m: a["tau"] for m, a in res.get("by_method", {}).items()}}
+    out = {"eval_k": res.get("k"), "held_out_digest": res.get("held_out_digest"),
+           "tau_heldout": {m: a["tau"] for m, a in res.get("by_method", {}).items()}}
     if res.get("tau_by_benchmark"):
         out["tau_by_benchmark"] = {b: {m: a["tau"] for m, a in r["by_method"].items()}
                                    for b, r in res["tau_by_benchmark"].items()}
@@ -104,7 +106,10 @@ def per_doubling(points: list[dict]) -> list[dict]:
         if doublings < 0.1:  # about the same data twice (another run of one recipe): no gain per doubling to give
             continue
         ta, tb = heldout_taus(a), heldout_taus(b)
-        tau_gain = {key: round((tb[key] - ta[key]) / doublings, 4) for key in ta if key in tb}
+        same_prompts = bool(a.get("held_out_digest")) and a.get("held_out_digest") == b.get("held_out_digest") \
+            or source(a) == source(b) and "reference" not in a  # one curve's forks share one stage 02's eval split
+        tau_gain = {key: round((tb[key] - ta[key]) / doublings, 4) for key in ta if key in tb
+                    and ("/" in key or same_prompts)}  # held-out tau only over the same held-out prompts
         out.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3),
                     "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4),
                     **({"tau_gain_per_doubling": tau_gain} if tau_gain else {}),

@@ -6,6 +6,7 @@ are rendered once, here, from stage 02's eval split, never from anything trained
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,18 @@ def held_out_groups(inp: EvalInputs, limit: int | None) -> tuple[str, list[str]]
         if labels and all(labels) and (by == "category" or len(set(labels)) > 1):
             return by, [str(x) for x in labels]
     return None
+
+
+def held_out_digest(inp: EvalInputs, tok: Any | None, prompts: list[list[int]]) -> str:
+    """Which held-out prompts stage 06 asked, as 16 hex digits of a sha256: of their messages where the target has a
+    tokenizer (the same texts give the same digest whatever the target), else of their token ids. `eagle3 compare`
+    and benchmarks/data_curve.py compare two runs' held-out τ only where the digests match."""
+    import hashlib
+
+    what: Any = prompts
+    if tok is not None:
+        what = [r["messages"] for r in jsonl.read(inp.eval_prompts)][: len(prompts)]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def held_out_prompt_ids(inp: EvalInputs, tok: Any | None, limit: int | None) -> tuple[list[list[int]], str]:

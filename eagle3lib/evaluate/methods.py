@@ -44,7 +44,14 @@ from eagle3lib.device import auto_device, dtype_name, torch_dtype
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate import benchmarks
 from eagle3lib.evaluate.decoder import Acceptance
-from eagle3lib.evaluate.inputs import EvalInputs, eos_ids, held_out_groups, held_out_prompt_ids, inputs_from_run
+from eagle3lib.evaluate.inputs import (
+    EvalInputs,
+    eos_ids,
+    held_out_digest,
+    held_out_groups,
+    held_out_prompt_ids,
+    inputs_from_run,
+)
 from eagle3lib.evaluate.keys import (
     BENCH_ALL,
     BENCH_PATH,
@@ -414,6 +421,7 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
     tok = load_tokenizer(stage.cfg.target, inp.model_dir, chat=False)
     prompts, prompt_source = held_out_prompt_ids(inp, tok, cfg.num_prompts)
     results: dict[str, Any] = {"k": k, "sweep_k": ks, "prompt_source": prompt_source, "prompts": len(prompts),
+                               "held_out_digest": held_out_digest(inp, tok, prompts),
                                "max_new_tokens": cfg.max_new_tokens, "device": device, "dtype": str(dtype),
                                "checkpoint": str(inp.checkpoint), "target": str(inp.model_dir), "by_method": {},
                                "sweep": {}, "seconds": {}}

@@ -477,8 +477,27 @@ def compare_runs(roots: list[Path]) -> str:
         note += (" ×c=N = output tokens/s with the draft ÷ without it, `vllm serve` at concurrency N "
                  "(the serve step's sweep; at that level's best setting of evaluate.serve_grid).")
     out = [_table(header, rows + ([ngram] if ngram else [])), "", note]
+    if held := held_out_note(roots, runs):
+        out += ["", held]
     cats = _category_lines(roots, runs)
     return "\n".join(out + ([""] + cats if cats else []))
+
+
+def held_out_note(roots: list[Path], runs: list[dict[str, Any]]) -> str | None:
+    """A warning where the runs asked different held-out prompts (stage 06's `held_out_digest`), or where some runs
+    recorded theirs and some predate it (not known to match): their held-out τ columns do not compare, the
+    benchmarks' do. Runs that all predate it say nothing, as before."""
+    digests = {root.name: r.get("held_out_digest") for root, r in zip(roots, runs, strict=True) if r}
+    known = {d for d in digests.values() if d}
+    if not (len(known) > 1 or known and None in digests.values()):
+        return None
+    groups: dict[str | None, list[str]] = {}
+    for name, d in digests.items():
+        groups.setdefault(d, []).append(name)
+    sets = "; ".join(f"{', '.join(names)}: {d or 'not recorded'}" for d, names in groups.items())
+    return (f"**The held-out prompts differ or are not known to match** (stage 06's held_out_digest: {sets}): the "
+            "τ embedded / vLLM / serve columns of those runs do not compare; the benchmark columns do (the same "
+            "questions).")
 
 
 def write_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> Path:

@@ -8,6 +8,7 @@ reads without dropping a row, a draft whose validation acceptance did not fall b
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -104,6 +105,7 @@ def test_training_and_evaluation_results(pipeline_run):
     # tau of the held-out prompts by category (the demo's come from one source, the bundled set): the per-prompt
     # counts regrouped, nothing lost
     hg = results["held_out_groups"]
+    assert re.fullmatch(r"[0-9a-f]{16}", results["held_out_digest"])  # which prompts: for `eagle3 compare`
     assert hg["by"] == "category" and "τ on the held-out prompts by category" in report
     assert sum(g["prompts"] for g in hg["groups"].values()) == 2
     assert sum(g["by_method"]["embedded"]["accepted"] for g in hg["groups"].values()) == by["embedded"]["accepted"]

@@ -152,3 +152,24 @@ def test_a_runs_result_json_reads_the_same_rows_as_compare(tmp_path):
     assert s["tau_row"] == EMBEDDED and s["tau_by_benchmark"] == {"heldout": 1.9, "mt_bench": 2.2}
     assert s["tau_heldout_by"] == {"by": "source", "tau": {"bundled": 1.6, "sharegpt": 2.8}}
     assert run_summary(tmp_path / "nothing")["tau_by_benchmark"] == {}  # no stage 06: no τ, no error
+
+
+def test_compare_says_when_runs_asked_different_held_out_prompts(tmp_path):
+    """Stage 06's held_out_digest: runs on the same held-out prompts compare as they are; different prompts, or one
+    run that recorded its prompts beside one that predates the digest, get one line that says which held-out τ do
+    not compare (the benchmarks' questions are the same)."""
+    from eagle3lib.evaluate.report import compare_runs
+
+    def run(name: str, digest: str | None) -> Path:
+        return _write_run(tmp_path / name, [2, 15, 27, 30], 2.0, {"05": 10.0},
+                          {"by_method": {SERVE: _acc(1.5)}, **({"held_out_digest": digest} if digest else {})})
+
+    same = [run("a", "0123abcd"), run("b", "0123abcd")]
+    assert "held-out prompts differ" not in compare_runs(same)
+    other = run("c", "feedbeef")
+    text = compare_runs([*same, other])
+    assert "**The held-out prompts differ or are not known to match** (stage 06's held_out_digest: a, b: 0123abcd; " \
+           "c: feedbeef)" in text
+    old = run("old", None)
+    assert "old: not recorded" in compare_runs([same[0], old])
+    assert "held-out prompts differ" not in compare_runs([old, run("old2", None)])  # as before the digest
