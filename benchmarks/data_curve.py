@@ -89,6 +89,11 @@ def source(p: dict) -> str:
     return p.get("reference") or p.get("from_curve") or "forks"
 
 
+def held_out_set(p: dict) -> str:
+    """Which held-out prompts a point's tau is on: stage 06's digest where recorded, else where its run comes from."""
+    return p["held_out_digest"][:8] if p.get("held_out_digest") else Path(source(p).split(":")[0]).name
+
+
 def heldout_taus(p: dict) -> dict[str, float]:
     """A point's held-out tau by method, and by "benchmark/method" (empty where stage 06 did not run)."""
     taus = dict(p.get("tau_heldout") or {})
@@ -130,7 +135,9 @@ def plot(points: list[dict], path: Path, title: str) -> None:
     for p, x in zip(points, xs, strict=True):
         axes[0].annotate(f"{p['val_eal']:.2f}", (x, p["val_eal"]), textcoords="offset points", xytext=(0, 6),
                          ha="center", fontsize=8)
-    taus = [(x, t) for x, t in zip(xs, map(heldout_taus, points), strict=True) if t]
+    sets = {held_out_set(p) for p in points}
+    taus = [(x, {k if "/" in k or len(sets) == 1 else f"{k}, held-out set {held_out_set(p)}": v for k, v in t.items()})
+            for x, p, t in zip(xs, points, map(heldout_taus, points), strict=True) if t]  # a line per prompt set
     for i, key in enumerate(sorted({k for _, t in taus for k in t})):
         axes[0].plot([x for x, t in taus if key in t], [t[key] for _, t in taus if key in t], "^:", alpha=0.8,
                      color=f"C{4 + i}", label=f"held-out tau ({key})")
