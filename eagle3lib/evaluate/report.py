@@ -310,7 +310,8 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         rows = held_out_group_table(results)
         if rows:
             by = results["held_out_groups"]["by"]
-            out += [f"τ on the held-out prompts by {by} (the {by}s a draft falls short on: the data to add; a few "
+            kinds = {"source": "sources", "category": "categories"}.get(by, by)
+            out += [f"τ on the held-out prompts by {by} (the {kinds} a draft falls short on: the data to add; a few "
                     "prompts each, so a rough guide):", "", _table(list(rows[0]), [list(r.values()) for r in rows]), ""]
         out += benchmark_lines(results, m02)
         sweep = results.get("sweep", {})
