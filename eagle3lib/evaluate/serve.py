@@ -441,24 +441,34 @@ def in_turn(plans: list[ServerPlan], server_of: Any, side_by_side: bool,
             server.stop()  # its turn is over: its memory goes back before the next is measured
 
 
-def complete_by_group(server: Any, prompts: list[list[int]], labels: list[str] | None, max_tokens: int,
-                      k: int) -> dict[str, Any]:
-    """The held-out prompts' greedy outputs (token ids, in prompt order: what the tie check compares), asked one
-    group at a time (`inputs.held_out_groups`: their sources or categories) between two reads of the server's
-    spec-decode counters: τ per group from the same requests, none extra. Every server asks in the same groups, so
-    the outputs compared come from the same batches. Returns {"ids", "by_group": {label: acceptance, prompts,
-    generated, tokens_per_step}} (by_group empty for the target alone, or without labels: then one request)."""
+def complete_in_groups(server: Any, prompts: list[list[int]], labels: list[str], max_tokens: int,
+                       k: int) -> tuple[list[list[int]], list[tuple[str, list[int], dict[str, Any] | None]]]:
+    """Greedy completions of `prompts` (token ids, in prompt order), one request per label (in first-seen order)
+    between two reads of the server's spec-decode counters. Returns (outputs, [(label, the prompts' indices, what
+    the counters counted for them, or None without speculation)])."""
     from eagle3lib.evaluate.server import counters_delta
 
-    labels = labels or [""] * len(prompts)
-    ids: list[list[int]] = [[] for _ in prompts]
-    by_group: dict[str, dict[str, Any]] = {}
+    outs: list[list[int]] = [[] for _ in prompts]
+    groups = []
     for label in dict.fromkeys(labels):
         idx = [i for i, x in enumerate(labels) if x == label]
         before = server.spec_counters()
         for i, out in zip(idx, server.complete([prompts[i] for i in idx], max_tokens), strict=True):
-            ids[i] = out
-        delta = counters_delta(before, server.spec_counters(), k)
+            outs[i] = out
+        groups.append((label, idx, counters_delta(before, server.spec_counters(), k)))
+    return outs, groups
+
+
+def complete_by_group(server: Any, prompts: list[list[int]], labels: list[str] | None, max_tokens: int,
+                      k: int) -> dict[str, Any]:
+    """The held-out prompts' greedy outputs (token ids, in prompt order: what the tie check compares), asked one
+    group at a time (`inputs.held_out_groups`: their sources or categories; `complete_in_groups`): τ per group from
+    the same requests, none extra. Every server asks in the same groups, so the outputs compared come from the same
+    batches. Returns {"ids", "by_group": {label: acceptance, prompts, generated, tokens_per_step}} (by_group empty
+    for the target alone, or without labels: then one request)."""
+    ids, groups = complete_in_groups(server, prompts, labels or [""] * len(prompts), max_tokens, k)
+    by_group: dict[str, dict[str, Any]] = {}
+    for label, idx, delta in groups:
         if label and delta:
             acc, generated = Acceptance.from_dict(delta), sum(len(ids[i]) for i in idx)
             by_group[label] = {**acc.to_dict(), "prompts": len(idx), "generated": generated,
@@ -475,7 +485,6 @@ def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens
     tokens: seconds on a GPU). Returns {"asked": [{messages, category, turn}], "groups": [{category, turn,
     prompts, acceptance}]}."""
     from eagle3lib.evaluate import benchmarks
-    from eagle3lib.evaluate.server import counters_delta
 
     stop = {t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None}
     asked: list[dict[str, Any]] = []
@@ -485,16 +494,10 @@ def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens
     while open_convs:
         prompts = [benchmarks.chat_ids(tok, msgs) for _, msgs in open_convs]
         cats = [str(it.get("category")) for it, _ in open_convs]
-        outs: list[list[int]] = [[] for _ in prompts]
-        for cat in dict.fromkeys(cats):
-            idx = [i for i, c in enumerate(cats) if c == cat]
-            before = server.spec_counters()
-            for i, ids in zip(idx, server.complete([prompts[i] for i in idx], max_tokens), strict=True):
-                outs[i] = ids
-            delta = counters_delta(before, server.spec_counters(), k)
-            groups.append({"category": cat, "turn": turn, "prompts": len(idx),
-                           "generated": sum(len(outs[i]) for i in idx),
-                           "acceptance": Acceptance.from_dict(delta).to_dict() if delta else None})
+        outs, parts = complete_in_groups(server, prompts, cats, max_tokens, k)
+        groups += [{"category": cat, "turn": turn, "prompts": len(idx), "generated": sum(len(outs[i]) for i in idx),
+                    "acceptance": Acceptance.from_dict(delta).to_dict() if delta else None}
+                   for cat, idx, delta in parts]
         asked += [{"messages": msgs, "category": it.get("category"), "turn": turn} for it, msgs in open_convs]
         open_convs = benchmarks.next_turn(open_convs, [benchmarks.answer_text(tok, o, stop) for o in outs], turn)
         turn += 1
