@@ -41,6 +41,7 @@ from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.spool_producer import POLL_S, ProducerProcess, read_status, request_path
 
 STALL_S = 1800.0  # the longest the trainer waits for one batch's states from a producer that is up (engine started)
+STATUS_WAIT_S = 10.0  # the longest `Spool.summary` waits for the producer's status to count the last request
 
 
 class Spool:
@@ -105,8 +106,16 @@ class Spool:
 
     def summary(self) -> dict[str, Any]:
         """What result.json records: the budget and the peak the producer saw, its time and tokens, the trainer's
-        wait."""
+        wait. The producer writes its status just after a request's last shard, which the trainer may already have
+        read and deleted: the figures are read once the status counts every request the trainer finished (a few
+        milliseconds; at most STATUS_WAIT_S, and not at all once the producer is gone)."""
+        finished = self.next_seq - len(self.pending)
         st = read_status(self.root)
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while (st.get("requests") or 0) < finished and time.monotonic() < deadline and self.producer is not None \
+                and self.producer.proc.poll() is None:
+            time.sleep(POLL_S)
+            st = read_status(self.root)
         capture_s = st.get("capture_s") or 0.0
         return {"budget_bytes": self.budget, "peak_bytes": st.get("peak_bytes"), "requests": self.next_seq,
                 "held_back_by_budget": self.held_back, "trainer_wait_s": round(self.wait_s, 2),
