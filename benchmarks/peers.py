@@ -15,8 +15,9 @@ Arms (`ARMS`; the workbook as configured is always one):
                     optimizer steps per epoch. Its draft is then registered as the fork's stage 05 (`register_draft`)
                     and stage 06 runs on the fork. Not run by this harness: speculators' own data preparation and
                     `generate-offline-data` (vLLM + hs-connectors), which would write a second copy of the same states.
-  workbook_muon     the workbook's stage 05 on a fork with the optimizer and schedule speculators' CLI defaults to
-                    (`WORKBOOK_VARIANTS`): beside speculators_cli it separates the optimizer from the harness.
+  workbook_adamw    the workbook's stage 05 on a fork with AdamW, the optimizer it had before it took speculators'
+                    CLI defaults (`WORKBOOK_VARIANTS`; in peers_qwen15_h200_2026-12-05.json, made while AdamW was
+                    the default, the arm with the CLI's settings is `workbook_muon`).
   workbook_epochs_x2  the workbook's stage 05 on a fork with twice train.epochs: do more optimizer steps pay?
   specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`; docs/engines.md#peers):
                     its own capture needs SGLang 0.5.14 (sglang-kernel 0.4.4 alone is a 615 MB wheel), too much to
@@ -33,7 +34,7 @@ and beside the workbook arm, the noise of a tau difference: the mean difference 
     eagle3 run --config C --run R                                  # the workbook arm: stages 00-06
     python benchmarks/peers.py train --run-dir outputs/R --arm speculators_cli   # on a fork: R-speculators-cli
     python benchmarks/peers.py evaluate --run-dir outputs/R --arm speculators_cli
-    python benchmarks/peers.py report --run-dir outputs/R --arms speculators_cli workbook_muon \
+    python benchmarks/peers.py report --run-dir outputs/R --arms speculators_cli workbook_adamw \
         --out benchmarks/results/peers_qwen15_h200.json --note "date, commit, machine, command"
 
 A fork runs with the workbook arm's own resolved config (its run folder's config.yaml: whatever overrides its
@@ -62,10 +63,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # recipe.run_summary
 CLI_ARM = "speculators_cli"
 # the workbook's stage 05 again on a fork, with these train.* overrides (a function of the run's train section)
 WORKBOOK_VARIANTS: dict[str, Any] = {
-    # speculators 0.9's CLI defaults (speculators.train.config: OptimizerArgs, SchedulerArgs): muon at lr 1e-3 with
-    # weight decay 0.01 on its AdamW group, a linear schedule without warm-up
-    "workbook_muon": lambda t: ["train.optimizer=muon", "train.lr=0.001", "train.weight_decay=0.01",
-                                "train.scheduler=linear", "train.warmup_steps=0"],
+    # the workbook's optimizer before it took speculators' CLI defaults: AdamW at the recipes' lr 1e-3, cosine decay
+    # after 100 warm-up steps, no weight decay (0.64 tau below muon on the 1.5B: peers_qwen15_h200_2026-12-05)
+    "workbook_adamw": lambda t: ["train.optimizer=adamw", "train.lr=0.001", "train.weight_decay=0.0",
+                                 "train.scheduler=cosine", "train.warmup_steps=100"],
     "workbook_epochs_x2": lambda t: [f"train.epochs={2 * t.epochs}"],
 }
 ARMS = (CLI_ARM, *WORKBOOK_VARIANTS)
@@ -290,7 +291,50 @@ def report(base: Path, arms: list[str], out: Path, note: str) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown_table(result) + "\n")
+    plot_training(base, [a for a in arms if "failed" not in result_arms.get(a, {"failed": 1})], out.with_suffix(".png"))
     return result
+
+
+def training_curve(run_dir: Path) -> dict[str, list[float]] | None:
+    """An arm's training curve: per optimizer step, the expected acceptance length of the batch (1 + the sum of its
+    full acceptance per TTT step) and the learning rate (the AdamW group's); from the workbook's draft/curves.json
+    or from the records speculators' CLI logged (draft/speculators_records.json)."""
+    curves, records = run_dir / "draft" / "curves.json", run_dir / "draft" / "speculators_records.json"
+    if curves.is_file():
+        steps = json.loads(curves.read_text())["steps"]
+        rows = [(s["step"], s["eal"], s["lr"]) for s in steps]
+    elif records.is_file():
+        recs = [r for r in json.loads(records.read_text())["records"] if "train" in r]
+        rows = [(r["global_step"] + 1, 1 + sum(v for k, v in r["train"].items() if k.startswith("full_acc_")),
+                 r["lr"]) for r in recs]
+    else:
+        return None
+    lr = [x.get("AdamW", next(iter(x.values()))) if isinstance(x, dict) else x for _, _, x in rows]
+    return {"step": [r[0] for r in rows], "eal": [r[1] for r in rows], "lr": lr}
+
+
+def plot_training(base: Path, arms: list[str], path: Path, window: int = 50) -> Path | None:
+    """The arms' training side by side: batch EAL (a rolling mean over `window` steps) and the learning rate, by
+    optimizer step. Arms without a curve are left out; None when none has one."""
+    from eagle3lib.plots import figure, save_show
+
+    runs = {"workbook": base, **{a: base.parent / fork_name(base.name, a) for a in arms}}
+    curves = {name: c for name, d in runs.items() if (c := training_curve(d)) is not None}
+    if not curves:
+        return None
+    fig, (ax_eal, ax_lr) = figure(1, 2, figsize=(13, 4))
+    for i, (name, c) in enumerate(curves.items()):
+        eal = c["eal"]
+        smooth = [sum(eal[max(0, j - window + 1):j + 1]) / (j + 1 - max(0, j - window + 1)) for j in range(len(eal))]
+        ax_eal.plot(c["step"], smooth, color=f"C{i}", label=name)
+        ax_lr.plot(c["step"], c["lr"], color=f"C{i}", label=name)
+    ax_eal.set_title(f"training batches' expected acceptance length (mean of {window} steps)", fontsize=10)
+    ax_lr.set_title("learning rate (AdamW group)", fontsize=10)
+    for ax in (ax_eal, ax_lr):
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_show(fig, path)
 
 
 def markdown_table(result: dict[str, Any]) -> str:

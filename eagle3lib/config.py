@@ -290,11 +290,16 @@ class TrainSection(Section):
                                      "speculators' default: on for EAGLE-3).")
     norm_before_residual: bool = Field(True, description="RMSNorm before the draft layer's residual connection.")
     embed_requires_grad: bool = Field(False, description="Train the draft's copy of the verifier's embedding too.")
-    optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw, or muon: torch's Muon on the draft's 2-D weight matrices and AdamW (train.lr, "
-        "train.weight_decay) on the rest, split by speculators' own rule (speculators.train.optimizers).")
-    lr: float = Field(1e-4, description="Peak learning rate (AdamW; with muon, its AdamW group).")
-    weight_decay: float = Field(0.0, description="AdamW weight decay (with muon, its AdamW group's).")
+    # The optimizer and schedule default to speculators' CLI's (muon, lr 1e-3, weight decay 0.01, linear decay after
+    # its 1% warm-up): on the 1.5B recipe's shards they trained the same draft as `speculators train` (held-out tau
+    # 2.129 vs 2.127) where AdamW with cosine decay, the earlier default, gave 1.633 (docs/results.md, 2026-12-05).
+    optimizer: Literal["auto", "adamw", "muon"] = Field(
+        "auto", description="muon: torch's Muon on the draft's 2-D weight matrices and AdamW (train.lr, "
+        "train.weight_decay) on the rest, split by speculators' own rule (speculators.train.optimizers); adamw: "
+        "AdamW on all. auto = muon on a GPU, adamw on a CPU, where torch's Muon runs its Newton-Schulz steps in "
+        "bf16, and a step took 13.6x AdamW's on the demo (docs/engines.md#speculators-trainer-on-the-cpu).")
+    lr: float = Field(1e-3, description="Peak learning rate (AdamW; with muon, its AdamW group).")
+    weight_decay: float = Field(0.01, description="AdamW weight decay (with muon, its AdamW group's).")
     muon_lr: float | None = Field(None, description="optimizer muon: the Muon group's peak learning rate (None = "
                                   "train.lr, as speculators derives it).")
     muon_momentum: float = Field(0.95, description="optimizer muon: Muon's momentum.")
@@ -303,9 +308,9 @@ class TrainSection(Section):
     muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = Field(
         "match_rms_adamw", description="optimizer muon: match_rms_adamw scales Muon's update to AdamW's RMS, so one "
         "learning rate suits both groups.")
-    scheduler: Literal["constant", "linear", "cosine"] = Field("cosine", description="Learning-rate schedule after "
+    scheduler: Literal["constant", "linear", "cosine"] = Field("linear", description="Learning-rate schedule after "
                                                                 "the warm-up (linear and cosine decay to 0).")
-    warmup_steps: int | None = Field(0, ge=0, description="Linear warm-up steps (None = train.warmup_ratio).")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps (None = train.warmup_ratio).")
     warmup_ratio: float | None = Field(None, ge=0.0, le=1.0, description="Warm-up as a share of all optimizer steps, "
                                        "used when train.warmup_steps is None (None too: speculators' 1%).")
     epochs: int = Field(3, description="Passes over the training set.")

@@ -47,9 +47,10 @@
 #                its defaults) on those first turns: tokens/s by engines against plain vLLM in one run
 #                -> $RES/generate_multiturn_<run>.json (not run; the first-turn passes and the plain arm add ~5 min)
 #   peers        GPU 0: $RUN's stages 00-04 (replies from the target's committed cache where it exists), the
-#                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli workbook_muon: benchmarks/
-#                peers.py) on its fork, then stage 06 of all of them side by side (k = 3, concurrency 1)
-#                -> $RES/peers_<run>.json. The 1.5B without the cache: 00-04 524 s, 05 328 s, 06 288 s (one arm)
+#                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli; also workbook_adamw,
+#                workbook_epochs_x2: benchmarks/peers.py) on its fork, then stage 06 of all of them side by side (k = 3,
+#                concurrency 1) -> $RES/peers_<run>.json (+ .md, .png). The 1.5B from the committed cache with two
+#                arms beside the workbook: 00-04 220 s, 05 ~420 s, 06 ~230 s (975 s with the target's conversion)
 #   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE ($RUN at GEN_SCALE=1) online: $CONFIG's sources scaled by
 #                GEN_SCALE (default 4; 1 = the config's own, e.g. configs/qwen-coder-1.5b-x4-h200.yaml),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
@@ -174,7 +175,7 @@ launch)
   printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
-    "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli workbook_muon}" \
+    "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli}" \
     "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
@@ -335,16 +336,16 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # the workbook beside speculators' own CLI and the workbook's variants (benchmarks/peers.py ARMS) on the recipe's
       # conversations: stages 00-04 of $RUN (its replies from benchmarks/device/caches/$RUN.tar.xz where that exists;
       # else generated on PEER_GEN_ENGINES engines, default 2, and once more on one if that fails: the cache keeps
-      # what was written), then the workbook's stage 05 and each arm of PEER_ARMS (default speculators_cli
-      # workbook_muon) on its fork, side by side on GPU 0, then stage 06 of every arm side by side: k = 3 alone, at
+      # what was written), then the workbook's stage 05 and each arm of PEER_ARMS (default speculators_cli) on its
+      # fork, side by side on GPU 0, then stage 06 of every arm side by side: k = 3 alone, at
       # concurrency 1, each server in a fixed share of the GPU (an arm's two servers, the draft's and the baseline's,
       # start together as the config's evaluate.serve_side_by_side_kv_gib has them; those of up to four arms at
       # once; tau does not depend on what else runs, the speedups do: they are then under that sharing) -> $RES/peers_$RUN.json
-      # (+ .md)
+      # (+ .md, .png)
       pe=(-p "evaluate.serve_concurrency=[1]" -p "evaluate.serve_grid=[{num_speculative_tokens: 3}]"
           -p "evaluate.serve_args=${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}")
       pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
-      arms=${PEER_ARMS:-speculators_cli workbook_muon}
+      arms=${PEER_ARMS:-speculators_cli}
       unpack_replies "$RUN"
       if ! has_states "$RUN"; then
         step "stages 00-04 of $RUN (${PEER_GEN_ENGINES:-2} generator engines)"

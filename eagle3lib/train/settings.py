@@ -1,4 +1,5 @@
-"""What 'auto' means for stage 05 on this machine: attention, loss, dtype, data loader workers, with the reasons.
+"""What 'auto' means for stage 05 on this machine: attention, loss, dtype, optimizer, data loader workers, with the
+reasons.
 
 sdpa attention + eager loss + fp32 on the CPU; on a GPU flex attention + bf16 autocast, and the fused (Triton) loss
 only when a quick behavioural probe passes (on torch 2.11 it fails inside dynamo, docs/engines.md#fused-loss-on-the-h200;
@@ -32,6 +33,7 @@ class Resolved:
     loss_implementation: str  # eager | fused
     hidden_states_dtype: str  # float32 | bfloat16 (dataloader dtype and autocast dtype)
     num_workers: int = 0  # data loader worker processes
+    optimizer: str = "adamw"  # speculators' name: adamw | muon
     reasons: list[str] = field(default_factory=list)
 
 
@@ -115,6 +117,11 @@ def resolve_settings(tcfg: TrainSection, device: str | None = None) -> Resolved:
     if tcfg.dtype == "auto":
         reasons.append(f"dtype {dtype}: " + ("bf16 autocast on GPU" if device == "cuda"
                                              else "bf16 is slower than fp32 on CPUs without AMX"))
+    optimizer = tcfg.optimizer
+    if optimizer == "auto":
+        optimizer = "muon" if device == "cuda" else "adamw"
+        reasons.append(f"optimizer {optimizer}: " + ("speculators' CLI default" if device == "cuda" else
+                                                     "torch's Muon orthogonalizes in bf16, ~13x slower steps on a CPU"))
     # why each mode that gets its states in stage 05 reads them in the training process
     in_process = {"online": ("the target computes each batch's states in the training process, on the training "
                              "device, and a worker process would need a copy of the target of its own"),
@@ -134,4 +141,4 @@ def resolve_settings(tcfg: TrainSection, device: str | None = None) -> Resolved:
                 "set train.num_workers: auto (or 0), or train.hidden_states: offline")
     for r in reasons:
         log.info("auto: %s", r)
-    return Resolved(device, attn, loss_impl, dtype, num_workers=workers, reasons=reasons)
+    return Resolved(device, attn, loss_impl, dtype, num_workers=workers, optimizer=optimizer, reasons=reasons)

@@ -29,7 +29,7 @@ from eagle3lib.train.settings import Resolved
 SCHEDULERS = {"constant": "none", "linear": "linear", "cosine": "cosine"}
 # cfg.train fields passed to speculators' TrainConfig under the same name
 SAME_NAMES = ("num_layers", "ttt_steps", "ttt_step_loss_decay", "norm_before_fc", "fc_norm", "norm_output",
-              "norm_before_residual", "embed_requires_grad", "optimizer", "lr", "weight_decay", "muon_lr",
+              "norm_before_residual", "embed_requires_grad", "lr", "weight_decay", "muon_lr",
               "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr_fn", "epochs", "max_steps")
 
 
@@ -39,7 +39,7 @@ def speculators_train_config(inp: TrainInputs, tcfg: TrainSection, res: Resolved
 
     flat: dict[str, Any] = {name: getattr(tcfg, name) for name in SAME_NAMES}
     flat.update({
-        "speculator_type": "eagle3", "seed": seed,
+        "speculator_type": "eagle3", "seed": seed, "optimizer": res.optimizer,
         "verifier_name_or_path": str(inp.verifier_dir), "target_layer_ids": inp.aux_layer_ids,
         "draft_vocab_size": inp.draft_vocab_size, "draft_attn_impl": res.attn_impl,
         "mask_token_id": 0,  # unused by eagle3; set so no tokenizer is needed beside the verifier tensors

@@ -52,17 +52,23 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     # the base run (the workbook arm) is untouched: no draft of its own yet
     assert not rd.path("draft").exists()
 
-    # the workbook with speculators' optimizer defaults: its own stage 05 on another fork, the overrides recorded
-    variant = peers.train_arm(rd.root, "workbook_muon")
+    # the workbook with AdamW, its optimizer before it took the CLI's defaults: its own stage 05 on another fork, the
+    # overrides recorded
+    variant = peers.train_arm(rd.root, "workbook_adamw")
     vrd = RunDir(variant, load_config(variant / "config.yaml", [f"run.name={variant.name}"]))
-    assert (vrd.cfg.train.optimizer, vrd.cfg.train.scheduler, vrd.cfg.train.lr) == ("muon", "linear", 1e-3)
-    assert json.loads((variant / "draft" / "result.json").read_text())["optimizers"] == ["Muon", "AdamW"]
+    assert (vrd.cfg.train.optimizer, vrd.cfg.train.scheduler, vrd.cfg.train.warmup_steps) == ("adamw", "cosine", 100)
+    assert json.loads((variant / "draft" / "result.json").read_text())["optimizers"] == ["AdamW"]
 
     out = tmp_path / "peers.json"
-    result = peers.report(rd.root, ["speculators_cli", "workbook_muon", "workbook_epochs_x2"], out, "tiny CPU check")
+    result = peers.report(rd.root, ["speculators_cli", "workbook_adamw", "workbook_epochs_x2"], out, "tiny CPU check")
     arm = result["arms"]["speculators_cli"]
     assert arm["val_eal"] == m05["metrics"]["val_eal"] and arm["train_tokens"] > 0
-    assert result["arms"]["workbook_muon"]["optimizers"] == ["Muon", "AdamW"]
+    assert result["arms"]["workbook_adamw"]["optimizers"] == ["AdamW"]
+    # the arms' training side by side, from the workbook's curves and from the records speculators' CLI logged
+    cli_curve, adamw_curve = peers.training_curve(fork), peers.training_curve(variant)
+    assert len(cli_curve["step"]) == m05["metrics"]["global_step"] and len(adamw_curve["eal"]) > 0
+    assert all(1.0 <= e <= 1.0 + cfg.train.ttt_steps for e in cli_curve["eal"] + adamw_curve["eal"])
+    assert out.with_suffix(".png").stat().st_size > 0
     assert "skipped" in result["arms"]["specforge"] and json.loads(out.read_text())["arms"].keys() == result["arms"].keys()
     assert "workbook_epochs_x2" not in result["arms"]  # never trained: no fork
     # the workbook arm has no draft here: reported as failed, as is a fork whose training failed, with its log's

@@ -70,7 +70,13 @@ def test_auto_settings_on_cpu_and_refusals():
 
     res = train.resolve_settings(TrainSection(), "cpu")
     assert (res.attn_impl, res.loss_implementation, res.hidden_states_dtype) == ("sdpa", "eager", "float32")
-    assert res.num_workers == 0 and len(res.reasons) == 4
+    assert res.num_workers == 0 and len(res.reasons) == 5
+    # the optimizer: speculators' CLI default (muon) on a GPU, AdamW on a CPU; a setting other than auto is kept
+    assert res.optimizer == "adamw" and any(r.startswith("optimizer adamw: ") for r in res.reasons)
+    gpu = train.resolve_settings(TrainSection(), "cuda")
+    assert gpu.optimizer == "muon" and any(r.startswith("optimizer muon: ") for r in gpu.reasons)
+    assert train.resolve_settings(TrainSection(optimizer="muon"), "cpu").optimizer == "muon"
+    assert train.resolve_settings(TrainSection(optimizer="adamw"), "cuda").optimizer == "adamw"
     ok, why = train.probe_fused_loss("cpu")
     assert not ok and "CUDA" in why
     with pytest.raises(WorkbookError, match="loss_implementation=fused needs a GPU"):
