@@ -6,7 +6,9 @@
 # them from the workbook's own tables) and papermill + ipykernel + ipywidgets for `eagle3 run`. On the host, driver.sh's `copy`
 # and `install` phases put it together (install.sh); docs/gpu-host.md says how it goes. ipywidgets (a dependency of
 # the workbook, pyproject.toml) too: without it tqdm.auto falls back to text bars, and every update of every bar is
-# kept in the executed notebook (on the 1.5B: 17,044 stderr lines in notebook 02, 1.8 MB).
+# kept in the executed notebook (on the 1.5B: 17,044 stderr lines in notebook 02, 1.8 MB). Checked on the GPU image
+# (2026-12-05, these wheels, papermill running one cell with a 3,000-step tqdm.auto bar): 691 stderr lines without
+# ipywidgets, none with it (one widget output).
 # Usage: [CONFIGS="configs/a.yaml configs/b.yaml"] bash benchmarks/device/make_bundle.sh
 #   (default CONFIGS: the SmolLM2 recipe; writes .carry/bundle/c1..cN; carry one chunk per call, in order)
 # Sizes: configs/qwen-coder-1.5b-h200.yaml (its GGUF alone is 1.1 GB) with the 1.5B replies cache (19 MB) in the tree:
