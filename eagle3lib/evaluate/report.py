@@ -198,6 +198,20 @@ def curves_summary(path: Path) -> list[str]:
     return lines
 
 
+def optimizer_summary(resolved: dict[str, Any], tcfg: Any) -> list[str]:
+    """One line: the optimizer stage 05 resolved (with why, where `train.optimizer` was auto) and its schedule; none
+    for a draft trained elsewhere (benchmarks/peers.py's CLI arm) or before the optimizer was resolved."""
+    name = resolved.get("optimizer")
+    if not name:
+        return []
+    why = next((r.split(": ", 1)[1] for r in resolved.get("reasons") or [] if r.startswith(f"optimizer {name}: ")), "")
+    warmup = (f"{tcfg.warmup_steps} warm-up steps" if tcfg.warmup_steps is not None
+              else f"warm-up {tcfg.warmup_ratio:g} of the steps" if tcfg.warmup_ratio is not None
+              else "speculators' 1% warm-up")
+    return [f"- optimizer: {name}" + (f" (auto: {why})" if tcfg.optimizer == "auto" and why else "") +
+            f"; lr {tcfg.lr:g}, weight decay {tcfg.weight_decay:g}, {tcfg.scheduler} schedule, {warmup}"]
+
+
 def _shard_format(m02: dict[str, Any]) -> str:
     """How stage 02 stored the states: FP8 shards hold e4m3 values and a scale per token whatever the target's
     dtype (docs/engines.md#fp8-hidden-state-shards); bf16 shards hold the target's dtype."""
@@ -290,6 +304,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
         curves = m05.get("outputs", {}).get("curves")
         if curves:
             out += curves_summary(rd.root / curves if not Path(curves).is_absolute() else Path(curves))
+        out += optimizer_summary(m05.get("metrics", {}).get("resolved") or {}, rd.cfg.train)
         keep = {k: v for k, v in m05.get("metrics", {}).items() if not isinstance(v, dict | list) or k == "val_full_acc"}
         if keep:
             out += ["", _table(["metric", "value"], [[k, v] for k, v in keep.items()])]

@@ -90,6 +90,8 @@ def test_training_and_evaluation_results(pipeline_run):
     report = (pipeline_run / "report.md").read_text()
     assert "embedded" in report and "[2, 15, 27, 30]" in report
     assert "capture probe passed (transformers, 4 rows" in report  # stage 02's probe, in one line
+    # the optimizer stage 05 chose on this CPU, and why (train.optimizer auto: AdamW here, muon on a GPU)
+    assert "- optimizer: adamw (auto: torch's Muon orthogonalizes in bf16" in report
     # a CPU-trained draft says what it is before anything else is read, and where the GPU recipes' cards are
     note = report.index("**Demo-scale draft**: trained on the CPU")
     assert note < report.index("## Target and data") and "benchmarks/results/" in report[note:note + 600]
