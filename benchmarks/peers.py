@@ -291,7 +291,8 @@ def report(base: Path, arms: list[str], out: Path, note: str) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown_table(result) + "\n")
-    plot_training(base, [a for a in arms if "failed" not in result_arms.get(a, {"failed": 1})], out.with_suffix(".png"))
+    trained = [a for a in arms if a in result_arms and "failed" not in result_arms[a]]
+    plot_training(base, trained, out.with_suffix(".png"))
     return result
 
 
