@@ -111,16 +111,22 @@ def per_doubling(points: list[dict]) -> list[dict]:
         if doublings < 0.1:  # about the same data twice (another run of one recipe): no gain per doubling to give
             continue
         ta, tb = heldout_taus(a), heldout_taus(b)
-        same_prompts = bool(a.get("held_out_digest")) and a.get("held_out_digest") == b.get("held_out_digest") \
-            or source(a) == source(b) and "reference" not in a  # one curve's forks share one stage 02's eval split
         tau_gain = {key: round((tb[key] - ta[key]) / doublings, 4) for key in ta if key in tb
-                    and ("/" in key or same_prompts)}  # held-out tau only over the same held-out prompts
+                    and ("/" in key or one_split(a, b))}  # held-out tau only over the same held-out prompts
         out.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3),
                     "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4),
                     **({"tau_gain_per_doubling": tau_gain} if tau_gain else {}),
-                    **({"across_validation_sets": True} if source(a) != source(b) or "reference" in a
-                       or "reference" in b else {})})
+                    **({} if one_split(a, b) else {"across_validation_sets": True})})
     return out
+
+
+def one_split(a: dict, b: dict) -> bool:
+    """Whether two points share one stage 02's validation rows and held-out prompts: by stage 06's held_out_digest
+    where both ran it (two separate runs differ there, even of one recipe), else by where they come from (one
+    curve's forks share their base run's split; a reference point has its own)."""
+    if a.get("held_out_digest") and b.get("held_out_digest"):
+        return a["held_out_digest"] == b["held_out_digest"]
+    return source(a) == source(b) and "reference" not in a and "reference" not in b
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
