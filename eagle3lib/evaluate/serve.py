@@ -4,20 +4,20 @@ is it served.
 The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts once per setting of
 `evaluate.serve_grid` with the draft (`--speculative-config '{"method": "eagle3", ...}'` and the setting's keys: k,
 the drafter's options, async scheduling), and once without: one after another, or all at once side by side on the
-same GPUs and then measured in turn (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest start
-instead of their sum; `in_turn`); at each level of `evaluate.serve_concurrency` vLLM's own
-load generator (`vllm bench serve`, `bench_worker`) streams the held-out prompts (rendered with the chat template,
-greedy) at that many requests in flight and reports TTFT, TPOT, ITL and end-to-end percentiles and output
-tokens/s; the server's spec-decode counters are read from /metrics around each level (acceptance per position,
-docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's default), eager on the CPU. Then each
-server answers every prompt once more as token ids, and each draft setting's outputs are compared with the target
-alone's; an output that differs goes through the rounding-tie check (`decoder.first_divergence`) with the
-transformers target. With `ngram` in evaluate.methods as well, one more server speculates by vLLM's n-gram prompt
-lookup (no draft model) and is measured the same way (results["serve"]["ngram"]): the free baseline a trained draft
-must beat, at the same loads. Last, the first setting's server (and n-gram lookup's) asks every
-`evaluate.benchmarks` item turn by turn (`ask_on_server`): τ per benchmark, category and turn from its counters, the
-"vllm serve" (and NGRAM_SERVE) rows of results["tau_by_benchmark"] (with only 'serve' configured, `methods.measure`
-leaves the benchmarks to this step and loads no transformers target).
+same GPUs (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest start instead of their sum;
+`all_up`), then measured a level at a time, each server in turn (`level_rounds`); at each level of
+`evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the held-out
+prompts (rendered with the chat template, greedy) at that many requests in flight and reports TTFT, TPOT, ITL and
+end-to-end percentiles and output tokens/s; the server's spec-decode counters are read from /metrics around each
+level (acceptance per position, docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's default),
+eager on the CPU. Then each server answers every prompt once more as token ids, and each draft setting's outputs are
+compared with the target alone's; an output that differs goes through the rounding-tie check
+(`decoder.first_divergence`) with the transformers target. With `ngram` in evaluate.methods as well, one more server
+speculates by vLLM's n-gram prompt lookup (no draft model) and is measured the same way (results["serve"]["ngram"]):
+the free baseline a trained draft must beat, at the same loads. Last, the first setting's server (and n-gram
+lookup's) asks every `evaluate.benchmarks` item turn by turn (`ask_on_server`): τ per benchmark, category and turn
+from its counters, the "vllm serve" (and NGRAM_SERVE) rows of results["tau_by_benchmark"] (with only 'serve'
+configured, `methods.measure` leaves the benchmarks to this step and loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
 helps); the step cost (`step_cost`) = what a step with the draft costs against a plain one there, which is also
@@ -345,41 +345,59 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     live = [p for p in plans
             if todo[p.id] or not all(store.has(f"{p.id} {x}") for x in ["outputs", "command", *asks[p.id]])]
     bar = tqdm(total=sum(len(t) for t in todo.values()), desc="serve", unit="level", disable=not progress)
-    worker, turns = None, None
+    worker = None
 
     def server_of(plan: ServerPlan) -> VllmServer:
         return VllmServer(args[plan.id], name=plan.slug, workdir=workdir, cache_dir=inp.cache_dir,
                           start_timeout_s=ecfg.serve_start_timeout_s)
 
+    def prepare(plan: ServerPlan, server: VllmServer) -> None:
+        store.methods.pop(f"{plan.id} command", None)  # this server's command, port included
+        store.run(f"{plan.id} command", partial(command_record, server), scratch)
+        server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
+
+    def level(plan: ServerPlan, server: VllmServer, c: int) -> None:
+        bar.set_postfix(server=plan.id, concurrency=c)
+        store.run(f"{plan.id} c={c}", partial(_level, server, worker, plan.slug, c, n_req[c], max_tokens, plan.k,
+                                              cfg.run.seed, prompts_file, workdir), scratch)
+        bar.update(1)
+
+    def finish(plan: ServerPlan, server: VllmServer) -> None:
+        sid = plan.id
+        if not store.has(f"{sid} outputs"):
+            bar.set_postfix(server=sid, outputs="token ids")
+            store.run(f"{sid} outputs", partial(
+                complete_by_group, server, prompts, group_labels, max_tokens, plan.k), scratch)
+        for name in asks[sid]:
+            if not store.has(f"{sid} {name}"):
+                bar.set_postfix(server=sid, asking=name)
+                store.run(f"{sid} {name}", partial(
+                    ask_on_server, server, tok, bench_items[name.removeprefix("benchmark ")], max_tokens, plan.k),
+                    scratch)
+
     try:
         with interrupt_on_sigterm():
             if live:  # vLLM's benchmark imports in a process of its own while the servers start
                 worker = BenchWorker(workdir, server_environment(inp.cache_dir))
-            turns = in_turn(live, server_of, side_by_side, bar)
-            for plan, server in turns:
-                sid = plan.id
-                store.methods.pop(f"{sid} command", None)  # this server's command, port included
-                store.run(f"{sid} command", partial(command_record, server), scratch)
-                server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
-                for c in todo[sid]:
-                    bar.set_postfix(server=sid, concurrency=c)
-                    store.run(f"{sid} c={c}", partial(
-                        _level, server, worker, plan.slug, c, n_req[c], max_tokens, plan.k, cfg.run.seed,
-                        prompts_file, workdir), scratch)
-                    bar.update(1)
-                if not store.has(f"{sid} outputs"):
-                    bar.set_postfix(server=sid, outputs="token ids")
-                    store.run(f"{sid} outputs", partial(
-                        complete_by_group, server, prompts, group_labels, max_tokens, plan.k), scratch)
-                for name in asks[sid]:
-                    if not store.has(f"{sid} {name}"):
-                        bar.set_postfix(server=sid, asking=name)
-                        store.run(f"{sid} {name}", partial(
-                            ask_on_server, server, tok, bench_items[name.removeprefix("benchmark ")],
-                            max_tokens, plan.k), scratch)
+            if side_by_side:
+                with all_up(live, server_of, bar) as servers:
+                    for plan in live:
+                        prepare(plan, servers[plan.id])
+                    for c, order in level_rounds(live, levels):
+                        for plan in order:
+                            if c in todo[plan.id]:
+                                level(plan, servers[plan.id], c)
+                    for plan in live:
+                        finish(plan, servers[plan.id])
+            else:
+                for plan in live:
+                    bar.set_postfix(server=f"{plan.id} starting")
+                    with server_of(plan) as server:
+                        prepare(plan, server)
+                        for c in todo[plan.id]:
+                            level(plan, server, c)
+                        finish(plan, server)
     finally:
-        if turns is not None:  # stops the servers still up (on an error or an interrupt)
-            turns.close()
         bar.close()
         if worker is not None:
             worker.close()
@@ -413,32 +431,32 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     return result
 
 
-def in_turn(plans: list[ServerPlan], server_of: Any, side_by_side: bool,
-            bar: Any) -> Iterator[tuple[ServerPlan, Any]]:
-    """The sweep's servers, each ready when its turn comes, in plan order; each is stopped once the next is asked
-    for, and every one still up when the generator is closed (an error or an interrupt in the caller's turn). One
-    after another, or all started at once and waited for together (evaluate.serve_side_by_side_kv_gib): the first
-    to fail stops them all."""
+@contextlib.contextmanager
+def all_up(plans: list[ServerPlan], server_of: Any, bar: Any) -> Iterator[dict[str, Any]]:
+    """The sweep's servers side by side (evaluate.serve_side_by_side_kv_gib): all started at once and waited for
+    together (the first to fail stops them all), by plan id; every one stopped on the way out (done, an error or an
+    interrupt)."""
     from eagle3lib.evaluate.server import wait_all_ready
 
-    if not side_by_side:
-        for plan in plans:
-            bar.set_postfix(server=f"{plan.id} starting")
-            with server_of(plan) as server:
-                yield plan, server
-        return
     with contextlib.ExitStack() as stack:
-        servers = []
+        servers = {}
         for plan in plans:
             server = server_of(plan)
             stack.callback(server.stop)
             server.start()
-            servers.append(server)
+            servers[plan.id] = server
         bar.set_postfix(server=f"{len(servers)} starting side by side")
-        wait_all_ready(servers)
-        for plan, server in zip(plans, servers, strict=True):
-            yield plan, server
-            server.stop()  # its turn is over: its memory goes back before the next is measured
+        wait_all_ready(list(servers.values()))
+        yield servers
+
+
+def level_rounds(plans: list[ServerPlan], levels: list[int]) -> list[tuple[int, list[ServerPlan]]]:
+    """The order servers side by side are measured in: a level at a time, every server in turn, the order reversed
+    from one level to the next. The settings a level compares are measured within seconds of each other, and no
+    server is always first or last: anything that drifts over the minutes of a sweep (the host's other work, a
+    clock) falls on a level rather than on one setting at every level. Servers started one after another are
+    measured a server at a time instead (each is stopped before the next starts)."""
+    return [(c, plans if i % 2 == 0 else plans[::-1]) for i, c in enumerate(levels)]
 
 
 def complete_in_groups(server: Any, prompts: list[list[int]], labels: list[str], max_tokens: int,

@@ -225,7 +225,8 @@ def plot(results: dict[str, Any], path: Path):
         ax.plot(levels, ys, marker="o", color=f"C{i}", label=f"{name}: output tokens/s (with ÷ without)")
         for x, y in zip(levels, ys, strict=True):
             if y is not None and serve["by_level"][str(x)].get("setting", name) == name:  # each level's best
-                ax.annotate(f"×{y:.2f}", (x, y), textcoords="offset points", ha="center", fontsize=8, xytext=(0, 6))
+                ax.annotate(f"×{y:.2f}", (x, y), textcoords="offset points", ha="center", fontsize=8,
+                            xytext=(0, -13))  # below: the TPOT line's markers sit above
     tpot = [serve["by_level"][str(c)]["tpot_ratio"] for c in levels]
     ax.plot(levels, tpot, ls=":", marker=".", color="black", alpha=0.6,
             label="best setting: time per output token (without ÷ with)")
@@ -239,7 +240,7 @@ def plot(results: dict[str, Any], path: Path):
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("speedup with the draft")
     ax.set_title("vllm serve" + (" (demo scale: CPU)" if serve.get("device") == "cpu" else ""))
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below: no point hidden
     width = 0.8 / len(settings)
     for i, (name, st) in enumerate(settings.items()):
         xs = [j + (i - (len(settings) - 1) / 2) * width for j in range(len(levels))]
@@ -253,6 +254,6 @@ def plot(results: dict[str, Any], path: Path):
     ax_tau.set_xlabel("concurrency")
     ax_tau.set_ylabel("τ (server counters)")
     ax_tau.set_title("mean acceptance length")
-    ax_tau.legend(fontsize=7)
+    ax_tau.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     plots.save(fig, path)
     return fig

@@ -97,7 +97,7 @@ def test_a_server_that_dies_mid_sweep_fails_with_its_log_and_leaves_nothing(tmp_
 def test_servers_side_by_side_all_stop_when_one_fails_to_start(tmp_path):
     """Servers started side by side (evaluate.serve_side_by_side_kv_gib): one answers /health, the other exits
     before it is ready. The error names the one that failed, with its log, and the healthy one is stopped too."""
-    from eagle3lib.evaluate.serve import ServerPlan, in_turn
+    from eagle3lib.evaluate.serve import ServerPlan, all_up
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     healthy = _stand_in(tmp_path / "a", """
@@ -122,8 +122,8 @@ def test_servers_side_by_side_all_stop_when_one_fails_to_start(tmp_path):
             pass
 
     with pytest.raises(WorkbookError) as e:
-        for _ in in_turn(plans, lambda p: servers[p.id], True, Bar()):
-            pytest.fail("no server's turn comes before every one is ready")
+        with all_up(plans, lambda p: servers[p.id], Bar()):
+            pytest.fail("no server is measured before every one is ready")
     msg = str(e.value)
     assert "'eagle3_k=1' exited (code 1) before it was ready" in msg and "CUDA out of memory" in msg, msg
     assert "serve_side_by_side_kv_gib" in msg  # the fix names the setting
@@ -306,9 +306,10 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     """Stage 06 in a subprocess gets SIGTERM mid-sweep (the draft's first setting has finished concurrency 1): it
     stops its server, engine and benchmark (no process, no listener left); the rerun keeps that level, starts the
     first setting's server again for concurrency 2 and, at the same time, the second setting's, n-gram lookup's and
-    the baseline's (side by side), measures them in turn,
-    recommends per level the setting with the most output tokens/s (or no draft) and writes the report card, whose
-    first line is the verdict those numbers give and whose serve command is the one that ran."""
+    the baseline's (side by side), measures them a level at a time (each level's servers in turn, the order
+    reversed at the next level), recommends per level the setting with the most output tokens/s (or no draft) and
+    writes the report card, whose first line is the verdict those numbers give and whose serve command is the one
+    that ran."""
     import psutil
     from test_evaluate import _draft_model
 
@@ -373,6 +374,14 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert srv["side_by_side"] and len({c["log"] for c in commands}) == 4
     assert max(c["started_at"] for c in commands) < min(c["started_at"] + c["start_s"] for c in commands)
     assert not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & {a for c in commands for a in c["argv"]}
+    # ... and were measured a level at a time, every server in turn, the order reversed at the next level (each
+    # level's `vllm bench serve` result file is written as that level ends)
+    slugs = ["eagle3_k=3", "eagle3_k=1_async=off", "ngram", "baseline"]  # plan order
+    ended = {(s, c): (serve_dir / f"{s}_c{c}.json").stat().st_mtime_ns for s in slugs for c in (1, 2)}
+    at_1 = sorted(slugs[1:], key=lambda s: ended[s, 1])  # k=3's concurrency 1 is the first attempt's
+    at_2 = sorted(slugs, key=lambda s: ended[s, 2])
+    assert (at_1, at_2) == (slugs[1:], slugs[::-1])
+    assert max(ended[s, 1] for s in at_1) < min(ended[s, 2] for s in slugs)
     assert list(settings) == ["k=3", "k=1 async=off"] and srv["primary"] == "k=3"
     for name, st in settings.items():
         k = st["k"]
