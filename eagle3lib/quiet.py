@@ -102,6 +102,11 @@ HARMLESS_WARNINGS: tuple[Harmless, ...] = (
     Harmless("vllm.triton_utils.dispatcher", r"`torch\.distributed\.reduce_op` is deprecated",
              "vLLM's Triton dispatcher reads every attribute of every loaded module while it looks for kernels, and "
              "so touches torch's deprecated alias; nothing uses it", FutureWarning),
+    Harmless("torch._inductor.compile_fx", r"TensorFloat32 tensor cores for float32 matrix multiplication available",
+             "inductor says it once per process at the first torch.compile on a GPU of compute capability 8.0 or "
+             "more, whatever the compiled code multiplies (`_warn_tf32_disabled`); stage 05's draft computes in "
+             "bfloat16 under autocast there (train.settings: hidden_states_dtype), and speculators' CLI leaves the "
+             "float32 precision at torch's default as the workbook does", UserWarning),
 )
 
 

@@ -82,6 +82,9 @@ SCRIPT = textwrap.dedent("""
                            "instead", FutureWarning, "dispatcher.py", 138, module="vllm.triton_utils.dispatcher")
     warnings.warn_explicit("some other deprecation", FutureWarning, "dispatcher.py", 140,
                            module="vllm.triton_utils.dispatcher")
+    warnings.warn_explicit("TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled. "
+                           "Consider setting `torch.set_float32_matmul_precision('high')` for better performance.",
+                           UserWarning, "compile_fx.py", 322, module="torch._inductor.compile_fx")
     logging.getLogger("eagle3lib.train").warning("the workbook's own warning")
 """)
 
@@ -94,7 +97,8 @@ def test_setup_silences_library_info_and_named_harmless_warnings_but_not_the_res
     shown = ["Tensor 'model.norm.weight' not found", "another loguru user keeps its INFO",
              "KV cache on node 0 is too small", "some other deprecation", "the workbook's own warning"]
     hidden = ["Loading from local directory", "'lm_head.weight'", "model.safetensors.index.json",
-              "Resolved architecture", "libtcmalloc", "loading weights", "Triton not available", "reduce_op"]
+              "Resolved architecture", "libtcmalloc", "loading weights", "Triton not available", "reduce_op",
+              "TensorFloat32"]
     assert all(s in out for s in shown), out
     assert not [h for h in hidden if h in out], out
     # the user's own vLLM level wins
