@@ -5,13 +5,13 @@ The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts onc
 `evaluate.serve_grid` with the draft (`--speculative-config '{"method": "eagle3", ...}'` and the setting's keys: k,
 the drafter's options, async scheduling), and once without: one after another, or all at once side by side on the
 same GPUs (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest start instead of their sum;
-`all_up`), then measured a level at a time, each server in turn (`level_rounds`); at each level of
-`evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the held-out
-prompts (rendered with the chat template, greedy) at that many requests in flight and reports TTFT, TPOT, ITL and
-end-to-end percentiles and output tokens/s; the server's spec-decode counters are read from /metrics around each
-level (acceptance per position, docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's default),
-eager on the CPU. Then each server answers every prompt once more as token ids, and each draft setting's outputs are
-compared with the target alone's; an output that differs goes through the rounding-tie check
+`all_up`), then measured a level at a time, each server in turn, the target alone at both ends (`level_rounds`); at
+each level of `evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the
+held-out prompts (rendered with the chat template, greedy) at that many requests in flight and reports TTFT, TPOT,
+ITL and end-to-end percentiles and output tokens/s; the server's spec-decode counters are read from /metrics around
+each level (acceptance per position, docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's
+default), eager on the CPU. Then each server answers every prompt once more as token ids, and each draft setting's
+outputs are compared with the target alone's; an output that differs goes through the rounding-tie check
 (`decoder.first_divergence`) with the transformers target. With `ngram` in evaluate.methods as well, one more server
 speculates by vLLM's n-gram prompt lookup (no draft model) and is measured the same way (results["serve"]["ngram"]):
 the free baseline a trained draft must beat, at the same loads. Last, the first setting's server (and n-gram
@@ -66,6 +66,7 @@ from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, r
 log = logging.getLogger("eagle3lib.evaluate")
 
 SERVE_ROWS = {"eagle3": SERVE, "ngram": NGRAM_SERVE}  # each speculating server's rows in results["by_method"]
+AGAIN = " again"  # the cell of the target alone's second measurement at a level (`level_rounds`)
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
@@ -356,11 +357,12 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
         store.run(f"{plan.id} command", partial(command_record, server), scratch)
         server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
 
-    def level(plan: ServerPlan, server: VllmServer, c: int) -> None:
+    def level(plan: ServerPlan, server: VllmServer, c: int, again: bool = False) -> None:
         bar.set_postfix(server=plan.id, concurrency=c)
-        store.run(f"{plan.id} c={c}", partial(_level, server, worker, plan.slug, c, n_req[c], max_tokens, plan.k,
-                                              cfg.run.seed, prompts_file, workdir), scratch)
-        bar.update(1)
+        store.run(f"{plan.id} c={c}" + AGAIN * again, partial(
+            _level, server, worker, plan.slug + "_again" * again, c, n_req[c], max_tokens, plan.k, cfg.run.seed,
+            prompts_file, workdir), scratch)
+        bar.update(0 if again else 1)
 
     def finish(plan: ServerPlan, server: VllmServer) -> None:
         sid = plan.id
@@ -384,9 +386,9 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                     for plan in live:
                         prepare(plan, servers[plan.id])
                     for c, order in level_rounds(live, levels):
-                        for plan in order:
-                            if c in todo[plan.id]:
-                                level(plan, servers[plan.id], c)
+                        for plan, again in order:
+                            if not store.has(f"{plan.id} c={c}" + AGAIN * again):
+                                level(plan, servers[plan.id], c, again)
                     for plan in live:
                         finish(plan, servers[plan.id])
             else:
@@ -416,7 +418,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     result.update(k=primary.k, primary=primary.label, settings=settings, concurrency=levels,
                   requests={str(c): n for c, n in n_req.items()}, prompts=len(prompts), prompt_tokens_exact=exact,
                   max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname, reused=reused,
-                  side_by_side=side_by_side,
+                  side_by_side=side_by_side, baseline_drift=baseline_drift(store, levels),
                   workdir=str(workdir), level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
     result["benchmark_rows"] = {}
     for name, items in bench_items.items():
@@ -450,13 +452,34 @@ def all_up(plans: list[ServerPlan], server_of: Any, bar: Any) -> Iterator[dict[s
         yield servers
 
 
-def level_rounds(plans: list[ServerPlan], levels: list[int]) -> list[tuple[int, list[ServerPlan]]]:
+def level_rounds(plans: list[ServerPlan], levels: list[int]) -> list[tuple[int, list[tuple[ServerPlan, bool]]]]:
     """The order servers side by side are measured in: a level at a time, every server in turn, the order reversed
-    from one level to the next. The settings a level compares are measured within seconds of each other, and no
-    server is always first or last: anything that drifts over the minutes of a sweep (the host's other work, a
-    clock) falls on a level rather than on one setting at every level. Servers started one after another are
-    measured a server at a time instead (each is stopped before the next starts)."""
-    return [(c, plans if i % 2 == 0 else plans[::-1]) for i, c in enumerate(levels)]
+    from one level to the next, and the target alone at both ends of each level ((plan, True): its second
+    measurement, `AGAIN`). The settings a level compares are measured within seconds of each other, no server is
+    always first or last, and what drifts over a level (the host's other work, a clock) shows as the difference
+    between the target alone's two measurements (`baseline_drift`) instead of passing for a speedup. Servers started
+    one after another are measured a server at a time instead (each is stopped before the next starts)."""
+    rounds = []
+    for i, c in enumerate(levels):
+        order = [(p, False) for p in (plans if i % 2 == 0 else plans[::-1])]
+        base = [p for p, _ in order if p.role == "baseline"]
+        if base and len(order) > 1:  # the other end of the level from its place in the order
+            order = [*order, (base[0], True)] if order[0][0] is base[0] else [(base[0], True), *order]
+        rounds.append((c, order))
+    return rounds
+
+
+def baseline_drift(store: FinishedMethods, levels: list[int]) -> dict[str, Any]:
+    """Per level measured twice, the target alone's output tokens/s at the level's two ends (side by side): the
+    first, the second, and second / first - 1. A setting whose speedup there is within it of x1.0 is not told apart
+    from the host's own drift."""
+    out = {}
+    for c in levels:
+        first, again = (store.methods.get(f"baseline c={c}" + tag) for tag in ("", AGAIN))
+        if first and again:
+            a, b = first["value"]["output_throughput"], again["value"]["output_throughput"]
+            out[str(c)] = {"first": a, "again": b, "drift": round(b / a - 1, 4) if a and b else None}
+    return out
 
 
 def complete_in_groups(server: Any, prompts: list[list[int]], labels: list[str], max_tokens: int,

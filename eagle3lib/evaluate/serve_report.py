@@ -30,6 +30,19 @@ def _num(v: float | None) -> str:
     return f"{v:.2f}" if isinstance(v, int | float) else "—"
 
 
+def within_drift(serve: dict[str, Any]) -> list[str]:
+    """The levels whose recommended speedup is no further from x1.00 than the target alone's own two measurements
+    there are from each other (`serve.baseline_drift`), as 'concurrency C (xS, drift D%)'."""
+    out = []
+    for c, d in (serve.get("baseline_drift") or {}).items():
+        rec = (serve.get("recommended_settings") or {}).get(c) or {}
+        speedup = rec.get("speedup")
+        if rec.get("setting") and isinstance(speedup, int | float) and isinstance(d.get("drift"), int | float) \
+                and abs(speedup - 1) <= abs(d["drift"]):
+            out.append(f"concurrency {c} ({_x(speedup)}, drift {d['drift']:+.1%})")
+    return out
+
+
 def is_demo_scale(serve: dict[str, Any]) -> bool:
     return serve.get("device") == "cpu" or (serve.get("prompts") or 0) < DEMO_PROMPTS
 
@@ -115,6 +128,10 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
             f"τ **{tau}** (the server's own counters over every level, first setting `{serve.get('primary')}`, "
             f"k = {serve.get('k')}) · {serve.get('identical')}/{serve.get('prompts')} greedy outputs identical with "
             "and without the draft", ""]
+    if shaky := within_drift(serve):
+        out += [f"**Within the host's own drift** at {', '.join(shaky)}: the target alone, measured at both ends of "
+                "that level, differed by more than the recommended setting's margin over it (the serving table "
+                "below).", ""]
     ng = serve.get("ngram")
     low = str(serve.get("lowest_concurrency"))
     if ng:
@@ -186,6 +203,14 @@ def section(serve: dict[str, Any] | None) -> list[str]:
            "without): the τ at which the draft breaks even at that load in time per output token (the verdict's "
            "step cost is τ ÷ speedup: output tokens/s, the first token included).",
            "", "\n".join(lines), ""]
+    drift = serve.get("baseline_drift") or {}
+    if drift:
+        parts = [f"{d['first'] or 0:,.1f} then {d['again'] or 0:,.1f} tok/s at {c} ("
+                 + (f"{d['drift']:+.1%}" if isinstance(d.get("drift"), int | float) else "—") + ")"
+                 for c, d in drift.items()]
+        out += ["The target alone, measured at both ends of each level (the draft's settings in turn between; the "
+                f"table's figure is the first): {'; '.join(parts)}. A speedup no further from ×1.00 than that is not "
+                "told apart from the host's own drift.", ""]
     for name, st in settings.items():
         differ = (st.get("prompts") or serve.get("prompts") or 0) - (st.get("identical") or 0)
         if differ:

@@ -374,14 +374,19 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert srv["side_by_side"] and len({c["log"] for c in commands}) == 4
     assert max(c["started_at"] for c in commands) < min(c["started_at"] + c["start_s"] for c in commands)
     assert not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & {a for c in commands for a in c["argv"]}
-    # ... and were measured a level at a time, every server in turn, the order reversed at the next level (each
-    # level's `vllm bench serve` result file is written as that level ends)
+    # ... and were measured a level at a time, every server in turn, the order reversed at the next level, the
+    # target alone at both ends of each (each level's `vllm bench serve` result file is written as that level ends)
     slugs = ["eagle3_k=3", "eagle3_k=1_async=off", "ngram", "baseline"]  # plan order
-    ended = {(s, c): (serve_dir / f"{s}_c{c}.json").stat().st_mtime_ns for s in slugs for c in (1, 2)}
-    at_1 = sorted(slugs[1:], key=lambda s: ended[s, 1])  # k=3's concurrency 1 is the first attempt's
-    at_2 = sorted(slugs, key=lambda s: ended[s, 2])
-    assert (at_1, at_2) == (slugs[1:], slugs[::-1])
-    assert max(ended[s, 1] for s in at_1) < min(ended[s, 2] for s in slugs)
+    ended = {(s, c): (serve_dir / f"{s}_c{c}.json").stat().st_mtime_ns
+             for s in [*slugs, "baseline_again"] for c in (1, 2)}
+    at_1 = sorted([*slugs[1:], "baseline_again"], key=lambda s: ended[s, 1])  # k=3's c=1: the first attempt's
+    at_2 = sorted([*slugs, "baseline_again"], key=lambda s: ended[s, 2])
+    assert at_1 == ["baseline_again", *slugs[1:]] and at_2 == [*slugs[::-1], "baseline_again"]
+    assert max(ended[s, 1] for s in at_1) < min(ended[s, 2] for s in at_2)
+    for c in ("1", "2"):  # the target alone's two measurements of a level, and how far apart they are
+        d = srv["baseline_drift"][c]
+        assert d["first"] == srv["by_level"][c]["baseline"]["output_throughput"] and d["again"] > 0
+        assert d["drift"] == pytest.approx(d["again"] / d["first"] - 1, abs=1e-4)
     assert list(settings) == ["k=3", "k=1 async=off"] and srv["primary"] == "k=3"
     for name, st in settings.items():
         k = st["k"]
@@ -484,6 +489,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     p1, p2 = server_cmdline.index("--port"), first_argv.index("--port")
     assert server_cmdline[:p1 + 1] + server_cmdline[p1 + 2:] == first_argv[:p2 + 1] + first_argv[p2 + 2:]
     assert "| concurrency | setting (✓ recommended) |" in report and "| 2 | `k=1 async=off`" in report
+    assert "The target alone, measured at both ends of each level" in report
     assert stage.rd.figure_path("06", "serve_speedup").stat().st_size > 1000
     # only the server measured: no k sweep and no batch speed, so no empty figure of them
     assert not stage.rd.figure_path("06", "tau_vs_k").exists() and not stage.rd.figure_path("06", "speedup").exists()
@@ -533,3 +539,31 @@ def test_the_report_card_says_which_flags_of_its_serve_command_were_for_servers_
     alone = {**serve, "command": {**serve["command"], "argv": [a for a in serve["command"]["argv"]
                                                                if a != "--kv-cache-memory-bytes"]}}
     assert "a server of its own" not in "\n".join(headline(alone))
+
+
+def test_a_speedup_within_the_target_alones_own_drift_is_flagged():
+    """Side by side, each level measures the target alone at both ends (`level_rounds`); the report card flags a
+    recommended speedup no further from x1.00 than those two measurements are apart. Read on the committed 1.5B x4
+    run's numbers with a drift put beside them (that run measured none)."""
+    from eagle3lib.evaluate.serve import ServerPlan, level_rounds
+    from eagle3lib.evaluate.serve_report import headline, section, within_drift
+
+    a, b, base = (ServerPlan("eagle3 k=3", "eagle3", 3, {}), ServerPlan("eagle3 k=1", "eagle3", 1, {}),
+                  ServerPlan("baseline", "baseline", 3, None))
+    rounds = level_rounds([a, b, base], [1, 4, 16])
+    assert [(c, [(p.id, again) for p, again in order]) for c, order in rounds] == [
+        (1, [("baseline", True), ("eagle3 k=3", False), ("eagle3 k=1", False), ("baseline", False)]),
+        (4, [("baseline", False), ("eagle3 k=1", False), ("eagle3 k=3", False), ("baseline", True)]),
+        (16, [("baseline", True), ("eagle3 k=3", False), ("eagle3 k=1", False), ("baseline", False)])]
+    assert level_rounds([base], [1]) == [(1, [(base, False)])]  # a rerun that needs only the baseline: once
+
+    run = REPO_ROOT / "benchmarks" / "results" / "runs" / "qwen-coder-1.5b-x4-h200-2026-12-05"
+    serve = json.loads((run / "eval" / "results.json").read_text())["serve"]
+    assert within_drift(serve) == [] and "within the host's own drift" not in "\n".join(headline(serve)).lower()
+    first = {c: serve["by_level"][c]["baseline"]["output_throughput"] for c in ("1", "4")}
+    serve["baseline_drift"] = {"1": {"first": first["1"], "again": first["1"] * 1.05, "drift": 0.05},  # x1.22: clear
+                               "4": {"first": first["4"], "again": first["4"] * 0.84, "drift": -0.16}}  # x1.15: not
+    assert within_drift(serve) == ["concurrency 4 (×1.15, drift -16.0%)"]
+    assert "**Within the host's own drift** at concurrency 4 (×1.15, drift -16.0%)" in "\n".join(headline(serve))
+    table = "\n".join(section(serve))
+    assert f"{first['4']:,.1f} then {first['4'] * 0.84:,.1f} tok/s at 4 (-16.0%)" in table
