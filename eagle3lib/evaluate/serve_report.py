@@ -208,7 +208,7 @@ def section(serve: dict[str, Any] | None) -> list[str]:
         parts = [f"{d['first'] or 0:,.1f} then {d['again'] or 0:,.1f} tok/s at {c} ("
                  + (f"{d['drift']:+.1%}" if isinstance(d.get("drift"), int | float) else "—") + ")"
                  for c, d in drift.items()]
-        out += ["The target alone, measured at both ends of each level (the draft's settings in turn between; the "
+        out += ["The target alone, measured at both ends of each level (the other servers in turn between; the "
                 f"table's figure is the first): {'; '.join(parts)}. A speedup no further from ×1.00 than that is not "
                 "told apart from the host's own drift.", ""]
     for name, st in settings.items():
