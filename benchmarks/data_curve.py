@@ -110,13 +110,13 @@ def per_doubling(points: list[dict]) -> list[dict]:
         doublings = math.log2(b["tokens_per_epoch"] / a["tokens_per_epoch"])
         if doublings < 0.1:  # about the same data twice (another run of one recipe): no gain per doubling to give
             continue
-        ta, tb = heldout_taus(a), heldout_taus(b)
+        ta, tb, same = heldout_taus(a), heldout_taus(b), one_split(a, b)
         tau_gain = {key: round((tb[key] - ta[key]) / doublings, 4) for key in ta if key in tb
-                    and ("/" in key or one_split(a, b))}  # held-out tau only over the same held-out prompts
+                    and ("/" in key or same)}  # held-out tau only over the same held-out prompts
         out.append({"from": a["run"], "to": b["run"], "doublings": round(doublings, 3),
                     "val_eal_gain_per_doubling": round((b["val_eal"] - a["val_eal"]) / doublings, 4),
                     **({"tau_gain_per_doubling": tau_gain} if tau_gain else {}),
-                    **({} if one_split(a, b) else {"across_validation_sets": True})})
+                    **({} if same else {"across_validation_sets": True})})
     return out
 
 

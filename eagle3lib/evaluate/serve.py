@@ -389,7 +389,7 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
                         prepare(plan, servers[plan.id])
                     for c, order in level_rounds(live, levels):
                         for plan, again in order:  # the target alone again only beside its first figure
-                            if c in todo[plan.id] and not store.has(f"{plan.id} c={c}" + AGAIN * again):
+                            if c in todo[plan.id]:
                                 level(plan, servers[plan.id], c, again)
                     for plan in live:
                         finish(plan, servers[plan.id])
