@@ -112,6 +112,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         gen.start()
         res["engine_start_s"] = gen.start_s
         res["engine_start_s_each"] = getattr(gen, "start_each_s", [gen.start_s])
+        res["in_flight_each"] = [c.in_flight for c in getattr(gen, "children", [gen])]  # requests an engine holds
         print("STARTED " + json.dumps(res), flush=True)  # what a variant cut off by --timeout still reports
 
         def generate(texts: list[str], temp: float) -> list[Any]:
@@ -155,7 +156,7 @@ def multi_turn(cfg: Any, model_dir: Path, tok: Any, gen: Any, n: int) -> dict[st
                              generator=gen)
     return {"conversations": len(convs), "user_turns": sum(m["role"] == "user" for c in convs for m in c),
             "replies": st["generated"], "new_tokens": st["new_tokens"], "seconds": st["seconds"],
-            "tokens_per_s": st["tokens_per_s"], "chunk": gen.chunk_size}
+            "tokens_per_s": st["tokens_per_s"]}
 
 
 def first_turns(cfg: Any, tok: Any, n: int) -> list[tuple[str, float]]:

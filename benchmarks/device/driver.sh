@@ -45,10 +45,10 @@
 #                conversations, fresh cache, the recipe's generator setting, on each of ENGINES engines, each also
 #                answering the conversations' first turns in one call; then plain vLLM (vllm.LLM(...).generate at
 #                its defaults) on those first turns: tokens/s by engines against plain vLLM in one run
-#                -> $RES/generate_multiturn_<run>.json. Not run yet; an estimate for the 1.5B's 1x config from its
-#                parts' measured rates (engine starts 110 / 62-46 s each, one engine 14.5k tok/s, four 56k; 4.2M new
-#                tokens): ENGINES="1 4" ~1,250 s, which fits a session after its ~370 s of getting ready;
-#                "1 2 4" ~1,650 s does not
+#                -> $RES/generate_multiturn_<run>.json. The 1.5B's 1x config, ENGINES="1 4": 947 s (one engine
+#                start 91 s + 191 + 85; four engines 208 + 114 + 29; plain vLLM 73 + 83; 2026-12-05,
+#                benchmarks/results/generate_qwen15_h200.json), 1,355 device-s with the copies, the install and the
+#                target's conversion; "1 2 4" (~+350 s) does not fit a 30-minute session
 #   peers        GPU 0: $RUN's stages 00-04 (replies from the target's committed cache where it exists), the
 #                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli; also workbook_adamw,
 #                workbook_epochs_x2: benchmarks/peers.py) on its fork, then stage 06 of all of them side by side (k = 3,

@@ -10,11 +10,12 @@ Each child holds one `VllmGenerator` built from the run's config except for two 
 (vllm_engine.prepare_environment: in-process on the CPU; on a GPU its engine core in a process of its own, as in the
 x1.41 measurement: in-process, scheduling and output handling would share one GIL). `EnginePoolGenerator`, what
 stage 02's `make_generator` (eagle3lib.extract.prepare) returns for N > 1, starts the N engines on the first call
-(a fully cached rerun starts none). Two ways in: `submit` sends one chunk to an idle engine and `wait_any` hands back
-whichever chunk comes back first, so self-distillation (generators.generate_continuous) keeps every engine busy with
-a chunk of its own, none waiting for another; `generate` (self-instruct) deals text j to engine j % N, sends every
-share, then gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N,
-since each engine samples from its own seed.
+(a fully cached rerun starts none). Two ways in: streamed, `submit` sends texts to the engine with the most room
+(each holds up to `generators.in_flight_for` its max_num_seqs) and `wait_any` hands back every reply that came back
+since, from any engine, so self-distillation (generators.generate_continuous) keeps every engine's batch full, none
+waiting for another; `generate` (self-instruct) deals text j to engine j % N, sends every share, then gathers the
+replies in input order. Greedy replies are the single engine's; sampled ones depend on N and on when each request
+joined its engine's batch, since each engine samples from its own seed.
 
 The engines start one after another, each once the one before is ready; only their imports overlap (all N processes
 begin at once, import vLLM, ~13 s of CPU each, and wait for their turn). Started at once, they raced: vLLM sizes its
@@ -32,16 +33,19 @@ engine's own start is `start_each_s`, recorded in stage 02's manifest.
 The channel is one socket pair per child (its end inherited as `--fd`), pickled messages in multiprocessing's
 Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engine_<i>.log:
     parent -> child   {"cfg", "model_dir", "cwd"} once; {"go": True} once the engine before is up (its turn to
-                      start); {"texts", "temperature", "max_new_tokens", "seeds"} per share; {"stop": True} at the end
-    child -> parent   {"ready": pid, "start_s", "began"} once its engine is up (`began`: time.time() at its
-                      turn); {"replies": [Reply]} per share; or {"error": text} instead of either, after which
-                      it exits
-A child that dies is end-of-file on its socket. On an error or a death the pool stops every child and raises one
-WorkbookError naming the engine and quoting its log; the cache keeps every chunk that came back before. `cancel`
-(a caller that stops with chunks in flight) closes the pool: an engine cannot be stopped mid-call. `close` sends an
-idle child the stop message and one still starting or generating SIGTERM (both leave through closing the engine),
-SIGKILL after a grace, and waits until each has exited. Children die with this process even on SIGKILL
-(eagle3lib.processes.popen_with_parent).
+                      start); {"ticket", "texts", "temperature", "max_new_tokens", "seeds"} at any time, also while
+                      it generates; {"stop": True} at the end
+    child -> parent   {"ready": pid, "start_s", "began", "in_flight"} once its engine is up (`began`: time.time()
+                      at its turn; `in_flight`: how many requests it holds at once); {"done": [(ticket, index,
+                      Reply)]} after each engine step that finished replies; or {"error": text} instead, after
+                      which it exits
+The child reads its socket in a thread of its own, so a parent sending texts never waits for an engine step, and
+neither side can block the other with both sockets' buffers full. A child that dies is end-of-file on its socket. On
+an error or a death the pool stops every child and raises one WorkbookError naming the engine and quoting its log;
+the cache keeps every reply that came back before. `cancel` (a caller that stops with requests in flight) closes the
+pool. `close` sends an idle child the stop message and one still starting or generating SIGTERM (both leave through
+closing the engine), SIGKILL after a grace, and waits until each has exited. Children die with this process even on
+SIGKILL (eagle3lib.processes.popen_with_parent).
 
     python -m eagle3lib.extract.engine_pool --fd FD      (started by EnginePoolGenerator, never by hand)
 """
@@ -52,10 +56,12 @@ import argparse
 import contextlib
 import gc
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -64,7 +70,7 @@ from typing import Any
 
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
-from eagle3lib.extract.generators import Reply, vllm_batch_size
+from eagle3lib.extract.generators import Done, Reply, vllm_batch_size
 
 STOP_GRACE_S = 30.0  # a child told to stop closes its engine and exits; after this it is stopped by signal
 
@@ -81,13 +87,16 @@ def engine_config(cfg: WorkbookConfig, index: int) -> WorkbookConfig:
 
 @dataclass
 class _Engine:
-    """One child, from the parent: its process, its end of the socket pair, its log, and whether it waits for a
-    message (engine up, no share in hand): only then does it read a stop message at once."""
+    """One child, from the parent: its process, its end of the socket pair, its log, how many requests it may hold
+    (`in_flight`, from its ready message) and holds now (`holds`), and whether it is idle (engine up, nothing in
+    hand: only then does it act on a stop message at once)."""
 
     index: int
     proc: subprocess.Popen
     conn: Connection
     log: Path
+    in_flight: int = 0
+    holds: int = 0
     idle: bool = False
 
     @classmethod
@@ -114,7 +123,7 @@ class _Engine:
 
 class EnginePoolGenerator:
     """`data.gen_engines` VllmGenerators in child processes behind the one Generator interface (the module's
-    docstring says why and how). `batch_size` is N x one engine's, so every engine gets a full chunk."""
+    docstring says why and how). `batch_size` is N x one engine's, so every engine gets a full share."""
 
     name = "vllm"
 
@@ -122,8 +131,7 @@ class EnginePoolGenerator:
         self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
         self.engines = cfg.data.gen_engines
         self.batch_size = self.engines * vllm_batch_size(cfg)  # generate: one share per engine
-        self.slots, self.chunk_size = self.engines, vllm_batch_size(cfg)  # submit: one chunk per engine
-        self.in_flight: dict[int, tuple[int, int]] = {}  # engine index -> (ticket, texts) of the chunk it holds
+        self.tickets: dict[int, list[int]] = {}  # ticket -> [engine index, replies still to come]
         self._tickets = 0
         self.children: list[_Engine] = []
         self.start_s = 0.0  # from the first child's start to the last engine's readiness
@@ -132,8 +140,8 @@ class EnginePoolGenerator:
         self.began: list[float] = []  # time.time() at which each engine's own start began (its turn)
 
     def start(self) -> None:
-        """The N engines, started one after another (the module's docstring says why) on the first `generate`
-        call; benchmarks/generate.py calls it to time the start apart from the generation."""
+        """The N engines, started one after another (the module's docstring says why) on the first call;
+        benchmarks/generate.py calls it to time the start apart from the generation."""
         if self.children:
             return
         from eagle3lib.rundir import cache_root
@@ -150,7 +158,8 @@ class EnginePoolGenerator:
                     child.conn.send({"go": True})
                 except OSError:
                     self._fail(child, "to start", "its process exited")
-                ready = self._gather([child], "to start")[child.index]
+                ready = self._next_message(child, "to start")
+                child.in_flight, child.idle = ready["in_flight"], True
                 self.pids.append(ready["ready"])
                 self.start_each_s.append(ready["start_s"])
                 self.began.append(ready["began"])
@@ -161,69 +170,83 @@ class EnginePoolGenerator:
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
         """Text j to engine j % N, all shares at once, the replies in input order once every engine is done."""
+        if self.tickets:
+            raise RuntimeError("generate with streamed requests in flight: wait for them (or cancel) first")
+        self.start()
         n = self.engines
-        shares = {self.submit(texts[i::n], temperature, max_new_tokens, seeds[i::n]): i
+        shares = {self._send(self.children[i], texts[i::n], temperature, max_new_tokens, seeds[i::n]): i
                   for i in range(min(n, len(texts)))}
         replies: list[Reply] = [Reply("", 0, False)] * len(texts)
-        while shares:
-            ticket, got = self.wait_any()
-            replies[shares.pop(ticket)::n] = got
+        while self.tickets:
+            for ticket, j, reply in self.wait_any():
+                replies[shares[ticket] + j * n] = reply
         return replies
 
-    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
-        """Send one chunk to an idle engine (the caller keeps at most `slots` in flight); its replies come back
-        through `wait_any`, while the other engines go on with theirs."""
+    def room(self) -> int:
+        """What the engine with the most room may take now, at most a quarter of its `in_flight` at once: a long
+        queue is dealt out over the engines rather than filling one while the others wait."""
         self.start()
-        child = next((c for c in self.children if c.idle), None)
-        if child is None:
-            raise RuntimeError(f"all {self.engines} engines are busy: wait_any before the next submit")
+        most = max(self.children, key=lambda c: c.in_flight - c.holds)
+        return max(0, min(most.in_flight - most.holds, max(1, most.in_flight // 4)))
+
+    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
+        """Send texts to the engine with the most room; their replies come back through `wait_any`."""
+        self.start()
+        return self._send(max(self.children, key=lambda c: c.in_flight - c.holds), texts, temperature,
+                          max_new_tokens, seeds)
+
+    def _send(self, child: _Engine, texts: list[str], temperature: float, max_new_tokens: int,
+              seeds: list[int]) -> int:
+        self._tickets += 1
         try:
-            child.conn.send({"texts": texts, "temperature": temperature, "max_new_tokens": max_new_tokens,
-                             "seeds": seeds})
+            child.conn.send({"ticket": self._tickets, "texts": texts, "temperature": temperature,
+                             "max_new_tokens": max_new_tokens, "seeds": seeds})
         except OSError:
             self._fail(child, "while generating", "its process exited")
+        child.holds += len(texts)
         child.idle = False
-        self._tickets += 1
-        self.in_flight[child.index] = (self._tickets, len(texts))
+        self.tickets[self._tickets] = [child.index, len(texts)]
         return self._tickets
 
-    def wait_any(self) -> tuple[int, list[Reply]]:
-        """The first chunk in flight to come back, as (ticket, replies); an engine's error or death fails at once."""
-        busy = [c for c in self.children if c.index in self.in_flight]
+    def wait_any(self) -> list[Done]:
+        """Every reply that came back since, from any engine (at least one); an engine's error or death fails at
+        once."""
+        busy = {c.conn: c for c in self.children if c.holds}
         if not busy:
             raise RuntimeError("nothing submitted")
-        i, msg = next(iter(self._gather(busy, "while generating", first=True).items()))
-        ticket, n = self.in_flight.pop(i)
-        got = msg["replies"]
-        if len(got) != n:
-            self.close()
-            raise WorkbookError(f"generation engine {i} returned {len(got)} replies for {n} texts",
-                                "report this as a bug")
-        return ticket, got
+        done: list[Done] = []
+        for conn in wait(list(busy)):
+            child = busy[conn]
+            for ticket, i, reply in self._next_message(child, "while generating")["done"]:
+                where = self.tickets.get(ticket)
+                if where is None or where[0] != child.index:
+                    self.close()
+                    raise WorkbookError(f"generation engine {child.index} returned a reply for a request it was "
+                                        f"not sent (ticket {ticket})", "report this as a bug")
+                where[1] -= 1
+                if not where[1]:
+                    del self.tickets[ticket]
+                child.holds -= 1
+                done.append((ticket, i, reply))
+            child.idle = not child.holds
+        return done
 
     def cancel(self) -> None:
-        """Drop the chunks in flight: an engine cannot be told to stop mid-call, so the pool is closed (its engines
-        start again on the next call); an idle pool stays up."""
-        if self.in_flight:
+        """Drop what is in flight: the pool is closed (its engines start again on the next call); an idle pool
+        stays up."""
+        if self.tickets:
             self.close()
 
-    def _gather(self, children: list[_Engine], doing: str, first: bool = False) -> dict[int, dict[str, Any]]:
-        """Each child's next message, by engine index, taken as they come (`first`: only the first to come): the
-        first error or death fails at once, not after the others are done."""
-        out: dict[int, dict[str, Any]] = {}
-        waiting = {c.conn: c for c in children}
-        while waiting and not (first and out):
-            for conn in wait(list(waiting))[:1 if first else None]:
-                child = waiting.pop(conn)
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    msg = {"error": "its process exited"}
-                child.idle = True  # it waits for the next message, or (failed) exits by itself: no signal needed
-                if "error" in msg:
-                    self._fail(child, doing, msg["error"])
-                out[child.index] = msg
-        return out
+    def _next_message(self, child: _Engine, doing: str) -> dict[str, Any]:
+        """The child's next message; an error or its death fails at once."""
+        try:
+            msg = child.conn.recv()
+        except (EOFError, OSError):
+            msg = {"error": "its process exited"}
+        if "error" in msg:
+            child.idle = True  # it exits by itself: no signal needed
+            self._fail(child, doing, msg["error"])
+        return msg
 
     def _fail(self, child: _Engine, doing: str, error: str) -> None:
         """Stop every child (the failed one's log is then complete), raise one error quoting that log."""
@@ -247,7 +270,7 @@ class EnginePoolGenerator:
         from eagle3lib.processes import descendants, stop_process_tree
 
         children, self.children = self.children, []
-        self.in_flight = {}
+        self.tickets = {}
         below = {c.index: descendants(c.proc) for c in children}  # taken while they live: orphans are found later
         for c in children:
             if c.idle:
@@ -269,8 +292,9 @@ class EnginePoolGenerator:
 
 # ------------------------------------------------------------------------------------------------ the child's side
 def serve(conn: Connection) -> int:
-    """Build the engine the first message describes, say so, answer shares until told to stop (or the parent is
-    gone). An exception is sent as one line (its traceback goes to the log) and ends the process."""
+    """Build the engine the first message describes, say so, then run it: texts that come in join its batch between
+    steps, the replies each step finished go back at once, until told to stop (or the parent is gone). An exception
+    is sent as one line (its traceback goes to the log) and ends the process."""
     import traceback
 
     job = conn.recv()
@@ -294,16 +318,27 @@ def serve(conn: Connection) -> int:
                 return 0  # the parent is gone
             began = time.time()
             gen.start()
-            conn.send({"ready": os.getpid(), "start_s": gen.start_s, "began": began})
+            conn.send({"ready": os.getpid(), "start_s": gen.start_s, "began": began, "in_flight": gen.in_flight})
+            inbox = read_in_background(conn)
+            tickets: dict[int, list[int]] = {}  # the generator's ticket -> [the parent's, replies still to come]
             while True:
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    return 0  # the parent is gone
-                if msg.get("stop"):
-                    return 0
-                conn.send({"replies": gen.generate(msg["texts"], msg["temperature"], msg["max_new_tokens"],
-                                                   msg["seeds"])})
+                msgs = [] if gen.busy() else [inbox.get()]  # idle: wait for work; else take what came, then step
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        msgs.append(inbox.get_nowait())
+                for msg in msgs:
+                    if msg is None or msg.get("stop"):
+                        return 0  # the parent is gone, or done
+                    t = gen.submit(msg["texts"], msg["temperature"], msg["max_new_tokens"], msg["seeds"])
+                    tickets[t] = [msg["ticket"], len(msg["texts"])]
+                done = []
+                for t, i, reply in gen.step():
+                    done.append((tickets[t][0], i, reply))
+                    tickets[t][1] -= 1
+                    if not tickets[t][1]:
+                        del tickets[t]
+                if done:
+                    conn.send({"done": done})
         except Exception as e:  # noqa: BLE001 - sent to the parent with its text
             traceback.print_exc()
             sys.stdout.flush()
@@ -313,6 +348,23 @@ def serve(conn: Connection) -> int:
     finally:
         if gen is not None:
             gen.close()
+
+
+def read_in_background(conn: Connection) -> queue.Queue:
+    """Every message the parent sends, read as it comes by a daemon thread into a queue (None once the parent is
+    gone): the engine's loop takes them between steps, and the parent's sends never wait for a step to end."""
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv())
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
+    threading.Thread(target=read, name="engine-pool-inbox", daemon=True).start()
+    return inbox
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,20 +4,22 @@ Why a seam here: self-distillation and self-instruct both need "the target conti
 times on a GPU run. transformers `generate` (the default; no extra install, the reference) and one offline vLLM
 engine (`data.generator: vllm`, ~10-50x faster on a GPU: continuous batching, paged KV cache; `data.gen_engines`
 of them side by side, eagle3lib.extract.engine_pool) are interchangeable:
-`generate(texts, temperature, max_new_tokens, seeds) -> [Reply]`, and the same work as a non-blocking pair,
-`submit(...) -> ticket` and `wait_any() -> (ticket, [Reply])`, with up to `slots` chunks of up to `chunk_size` texts
-in flight (the engine pool: one per engine; one engine in this process: one, done at submit). Everything around it —
-the resume cache, the progress bar and the tokens/s stats — is written once: `generate_cached` for a list of texts
-(synchronous chunks, self-instruct), `generate_continuous` for requests whose replies ask for more (self-distillation:
-a conversation's next turn is queued as soon as its previous reply exists, and every engine takes the next chunk as
-soon as it is free, with no barrier across engines or turns).
+`generate(texts, temperature, max_new_tokens, seeds) -> [Reply]`, and the same work streamed: `room()` texts may go
+in now, `submit(...) -> ticket` sends them, `wait_any() -> [(ticket, index, Reply)]` hands back the replies finished
+since, each as soon as it exists (a vLLM engine takes new requests between its steps, so its batch never drains while
+there is work; transformers generates a whole chunk at submit). Everything around it — the resume cache, the progress
+bar and the tokens/s stats — is written once: `generate_cached` for a list of texts (synchronous chunks,
+self-instruct), `generate_continuous` for requests whose replies ask for more (self-distillation: a conversation's
+next turn joins the running batch as soon as its previous reply exists, with no barrier across replies, engines or
+turns).
 
 Texts are fully rendered prompts (chat template already applied, generation prompt or an open user turn included),
 so the generator never decides how a conversation is rendered. Each text carries a seed derived from its cache key;
 transformers seeds each batch with its first. vLLM ignores them and samples from the engine's seed (`run.seed`):
 per-request seeds put vLLM's sampler on a one-request-at-a-time loop (vllm/v1/sample/ops/topk_topp_sampler.py
-`random_sample`): self-instruct on the H200 ran at 5.5k tok/s with them, 9.6k without. A rerun of the same config
-reproduces the batches, and the cache keeps what a killed run generated.
+`random_sample`): self-instruct on the H200 ran at 5.5k tok/s with them, 9.6k without. So a sampled reply depends on
+the requests that shared its engine's steps (on a GPU, on timing too), and what makes a rerun reproducible is the
+cache: it keeps every reply a run (even a killed one) generated, and a rerun asks only for the rest.
 """
 
 from __future__ import annotations
@@ -49,24 +51,29 @@ class Reply:
     finished: bool
 
 
+Done = tuple[int, int, Reply]  # (ticket, index of the text in its submit, its reply)
+
+
 class Generator(Protocol):
-    """`generate`: one chunk of up to `batch_size` texts, synchronously. `submit`/`wait_any`: up to `slots` chunks of
-    up to `chunk_size` texts in flight, each chunk's replies back as soon as they exist (in any order, by ticket);
-    `cancel` drops the chunks in flight (a caller that stops midway); `close` frees the engines (a later call starts
+    """`generate`: up to `batch_size` texts, synchronously, replies in input order. Streamed: `room()` is how many
+    texts the next `submit` may carry (0: `wait_any` first; the first call starts the engines), `submit` sends them
+    and returns a ticket, `wait_any` blocks until at least one reply is done and returns every reply done since;
+    `cancel` drops what is in flight (a caller that stops midway); `close` frees the engines (a later call starts
     them again)."""
 
     name: str
     batch_size: int
-    slots: int
-    chunk_size: int
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        ...
+
+    def room(self) -> int:
         ...
 
     def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
         ...
 
-    def wait_any(self) -> tuple[int, list[Reply]]:
+    def wait_any(self) -> list[Done]:
         ...
 
     def cancel(self) -> None:
@@ -76,40 +83,7 @@ class Generator(Protocol):
         ...
 
 
-class OneAtATime:
-    """`submit`/`wait_any` for a generator in this process: one slot, the chunk generated at submit (there is nothing
-    to overlap it with), handed back by the next `wait_any`."""
-
-    slots = 1
-    batch_size: int
-    _held: tuple[int, list[Reply]] | None = None
-    _tickets = 0
-
-    @property
-    def chunk_size(self) -> int:
-        return self.batch_size
-
-    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
-        raise NotImplementedError
-
-    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
-        if self._held is not None:
-            raise RuntimeError("one chunk at a time: wait_any before the next submit")
-        self._tickets += 1
-        self._held = (self._tickets, self.generate(texts, temperature, max_new_tokens, seeds))
-        return self._tickets
-
-    def wait_any(self) -> tuple[int, list[Reply]]:
-        held, self._held = self._held, None
-        if held is None:
-            raise RuntimeError("nothing submitted")
-        return held
-
-    def cancel(self) -> None:
-        self._held = None
-
-
-class TransformersGenerator(OneAtATime):
+class TransformersGenerator:
     """Batched `model.generate` with left padding; the model loads on the first call (a fully cached rerun never
     loads it). One call = one padded batch: the caller chunks by `batch_size`."""
 
@@ -119,6 +93,28 @@ class TransformersGenerator(OneAtATime):
         self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
         self.batch_size = cfg.data.gen_batch_size
         self.model: Any = None
+        self._held: list[Done] = []  # streamed: one chunk, generated at submit, handed back by the next wait_any
+        self._tickets = 0
+
+    def room(self) -> int:
+        return 0 if self._held else self.batch_size
+
+    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
+        if self._held:
+            raise RuntimeError("one chunk at a time: wait_any before the next submit")
+        self._tickets += 1
+        self._held = [(self._tickets, i, r) for i, r in
+                      enumerate(self.generate(texts, temperature, max_new_tokens, seeds))]
+        return self._tickets
+
+    def wait_any(self) -> list[Done]:
+        held, self._held = self._held, []
+        if not held:
+            raise RuntimeError("nothing submitted")
+        return held
+
+    def cancel(self) -> None:
+        self._held = []
 
     def _load(self) -> Any:
         if self.model is None:
@@ -157,19 +153,43 @@ class TransformersGenerator(OneAtATime):
 
     def close(self) -> None:
         self.model = None
+        self._held = []
         gc.collect()
 
 
 def vllm_batch_size(cfg: WorkbookConfig) -> int:
-    """Prompts per LLM.generate call of one engine: the engine batches inside a call, the cache is written after
-    each."""
+    """Prompts per synchronous `generate` call of one engine (self-instruct's chunks): the engine batches inside a
+    call, the cache is written after each."""
     return max(cfg.data.gen_batch_size, 256)
 
 
-class VllmGenerator(OneAtATime):
-    """One offline `vllm.LLM` engine, built like the capture backends' (eagle3lib.extract.backends.vllm_engine: in-process
-    on the CPU, a spawned engine process on a GPU, parallel sizes, memory share and seed from `extract.*`), started on
-    the first call. Prompts go in as token ids (no tokenizer in the engine); replies are decoded here."""
+def in_flight_for(max_num_seqs: int) -> int:
+    """How many requests one vLLM engine holds at once when streamed: its batch (`max_num_seqs`, what one step
+    runs) and a quarter more waiting in its own queue, so a finished sequence's place is taken at the next step even
+    before the caller has answered the replies of the last one."""
+    return max_num_seqs + max(1, max_num_seqs // 4)
+
+
+def external_id(request_id: str) -> str:
+    """The id a request's outputs carry, from the one `LLM.enqueue` returned: vLLM appends "-<8 random characters>"
+    to the id it numbered the request with (vllm/v1/engine/input_processor.py `assign_request_id`, 0.26 and 0.32;
+    not with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION) and its outputs carry the number alone
+    (vllm/v1/engine/output_processor.py, `external_req_id`)."""
+    return request_id.split("-", 1)[0]
+
+
+class VllmGenerator:
+    """One offline `vllm.LLM` engine, built like the capture backends' (eagle3lib.extract.backends.vllm_engine:
+    in-process on the CPU, a spawned engine process on a GPU, parallel sizes, memory share and seed from
+    `extract.*`), started on the first call. Prompts go in as token ids (no tokenizer in the engine); replies are
+    decoded here.
+
+    Streamed, requests join the running engine: `submit` adds them with `LLM.enqueue`, `step` runs one engine step
+    (`llm_engine.step()`, the loop `LLM.generate` itself runs) and returns the replies it finished, so a caller that
+    answers each reply with a new request (a conversation's next turn) keeps the batch full. Within one
+    `LLM.generate` call per chunk, the batch drained to its longest reply before the next chunk could start: on the
+    1.5B recipe's conversations (one H200, 2026-12-05, benchmarks/results/generate_qwen15_h200.json) four engines
+    self-distilled at 37.4k tok/s that way against 65.9k on the same conversations' first turns in one call each."""
 
     name = "vllm"
 
@@ -178,11 +198,15 @@ class VllmGenerator(OneAtATime):
         self.batch_size = vllm_batch_size(cfg)
         self.llm: Any = None
         self.max_model_len = 0
+        self.in_flight = 0  # requests the engine may hold at once (`in_flight_for` its max_num_seqs), once started
         self.start_s = 0.0
+        self._running: dict[str, tuple[int, int]] = {}  # output request id -> (ticket, index)
+        self._ready: list[Done] = []  # replies answered without the engine (no room for a token), for the next step
+        self._tickets = 0
 
     def start(self) -> Any:
-        """The engine, started on the first call (`generate` calls it; an engine pool's child calls it before it
-        says it is ready)."""
+        """The engine, started on the first call (`generate`, `room` and `submit` call it; an engine pool's child
+        calls it before it says it is ready)."""
         if self.llm is None:
             from eagle3lib.extract.backends.vllm_engine import require_vllm
 
@@ -205,40 +229,89 @@ class VllmGenerator(OneAtATime):
             kwargs.update(self.cfg.data.gen_vllm_args)
             self.max_model_len = int(kwargs["max_model_len"])
             self.llm = start_engine(kwargs)
+            self.in_flight = in_flight_for(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
             self.start_s = round(time.perf_counter() - t0, 2)
         return self.llm
 
-    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+    def room(self) -> int:
+        self.start()
+        return max(0, self.in_flight - len(self._running))
+
+    def busy(self) -> bool:
+        """Whether a reply is still to come."""
+        return bool(self._running or self._ready)
+
+    def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
         from vllm import SamplingParams
 
         llm, tok = self.start(), self.tok
         stop = sorted({tok.eos_token_id} - {None})
+        self._tickets += 1
+        ticket = self._tickets
         prompts, params, slots = [], [], []
-        replies: list[Reply] = [Reply("", 0, False) for _ in texts]
         del seeds  # see the module docstring: per-request seeds make vLLM sample one request at a time
         for i, text in enumerate(texts):
             ids = tok(text, add_special_tokens=False)["input_ids"]
             room = min(max_new_tokens, self.max_model_len - len(ids))
-            if room <= 0:
-                continue  # the history alone fills max_model_len: nothing to generate (an empty, unfinished reply)
+            if room <= 0:  # the history alone fills max_model_len: nothing to generate (an empty, unfinished reply)
+                self._ready.append((ticket, i, Reply("", 0, False)))
+                continue
             prompts.append({"prompt_token_ids": ids})
             params.append(SamplingParams(temperature=temperature, top_p=1.0, max_tokens=room, stop_token_ids=stop,
                                          detokenize=False))
             slots.append(i)
         if prompts:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            if len(outs) != len(prompts):
-                raise WorkbookError(f"vLLM returned {len(outs)} outputs for {len(prompts)} prompts",
-                                    "report this as a bug")
-            for i, out in zip(slots, outs, strict=True):
-                c = out.outputs[0]
-                ids = list(c.token_ids)
-                replies[i] = Reply(tok.decode(ids, skip_special_tokens=True).strip(), len(ids),
-                                   c.finish_reason == "stop")
-        return replies
+            ids = llm.enqueue(prompts, params, use_tqdm=False)
+            self._running.update({external_id(rid): (ticket, i) for rid, i in zip(ids, slots, strict=True)})
+        return ticket
+
+    def step(self) -> list[Done]:
+        """One engine step: the replies it finished (and any answered at submit without the engine)."""
+        done, self._ready = self._ready, []
+        if self._running:
+            engine = self.llm.llm_engine
+            if not engine.has_unfinished_requests():  # a step would then wait for outputs that never come
+                raise WorkbookError(f"vLLM finished every request, but {len(self._running)} replies never came back "
+                                    "under the ids they were sent with (generators.external_id)",
+                                    "report this as a bug, with the vLLM version")
+            for out in engine.step():
+                where = self._running.pop(out.request_id, None) if out.finished else None
+                if where is not None:  # None: not finished yet, or a request dropped by `cancel`
+                    c = out.outputs[0]
+                    ids = list(c.token_ids)
+                    done.append((*where, Reply(self.tok.decode(ids, skip_special_tokens=True).strip(), len(ids),
+                                               c.finish_reason == "stop")))
+        return done
+
+    def wait_any(self) -> list[Done]:
+        if not self.busy():
+            raise RuntimeError("nothing submitted")
+        while not (done := self.step()):
+            pass
+        return done
+
+    def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
+        if self.busy():
+            raise RuntimeError("generate with streamed requests in flight: wait for them (or cancel) first")
+        self.submit(texts, temperature, max_new_tokens, seeds)
+        replies: list[Reply | None] = [None] * len(texts)
+        while self.busy():
+            for _, i, r in self.wait_any():
+                replies[i] = r
+        if any(r is None for r in replies):
+            raise WorkbookError(f"vLLM returned {sum(r is not None for r in replies)} replies for {len(texts)} "
+                                "texts", "report this as a bug")
+        return replies  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        """Drop what is in flight: the engine aborts it (its outputs, should any still come, are ignored)."""
+        running, self._running, self._ready = list(self._running), {}, []
+        if running and self.llm is not None:
+            self.llm.llm_engine.abort_request(running)
 
     def close(self) -> None:
         """Free the engine (and its GPU memory) before extraction loads the target again."""
+        self._running, self._ready = {}, []
         if self.llm is not None:
             from eagle3lib.extract.backends.vllm_engine import stop_engine
 
@@ -343,18 +416,6 @@ def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new
     return out
 
 
-def fair_share(queues: dict[float, list[Any]], in_flight: dict[int, list[Any]], gen: Generator) -> int:
-    """How many requests the next chunk takes: `gen.chunk_size`, but never more than one slot's share of everything
-    outstanding (waiting or in flight), so that once the queue runs short every engine holds a part of it instead of
-    one engine holding all of it while the others wait. Why: on the 1.5B's 4x data (2026-12-05, 4 engines, chunks of
-    4,096 whatever the queue held) self-distillation wrote its first ~6.5M tokens at ~70k tok/s and its last ~2.4M
-    at ~14k (stage 02's progress log, benchmarks/results/gen_data_qwen15_x4_h200_2026-12-05.json's run): in the
-    tail, whole chunks left engines idle and made each next turn of a long conversation wait for a full chunk (not
-    yet measured with this rule). One slot: the whole chunk, as before."""
-    outstanding = sum(map(len, queues.values())) + sum(map(len, in_flight.values()))
-    return max(1, min(gen.chunk_size, -(-outstanding // gen.slots)))
-
-
 @dataclass
 class Request:
     """One reply to generate: its cache key, its rendered text ("" when the key is cached: never rendered), its
@@ -373,12 +434,12 @@ def generate_continuous(gen: Generator, requests: Iterable[Request],
                         bar: Any = None) -> None:
     """Every request's reply, handed to `on_reply(key, reply)`, which may ask for more (a conversation's next turn).
     A cached key is answered at once; the rest wait in one queue per temperature, ordered by (priority, length).
-    Whenever one of the generator's `slots` is free, the queue whose head comes first gives it a chunk of up to
-    `chunk_size` requests, at most a slot's fair share of all that is outstanding (`fair_share`); one temperature per
-    chunk, shortest texts together within a priority (little padding for transformers); each chunk's replies are
-    appended to `cache_path` as soon as they come back (a killed run loses at most the chunks in flight), then handed
-    on. No barrier: an engine never waits for another, nor a turn for a whole round. The caller asks for each key
-    once (it waits for the reply of a key already asked). Updates `stats` and `bar` like `generate_cached`."""
+    Whenever the generator has `room`, the queue whose head comes first sends it that many requests (one temperature
+    per submit, shortest texts together within a priority: little padding for transformers); the replies are appended
+    to `cache_path` as they come back (a killed run loses only what was in flight), then handed on. No barrier: an
+    engine never waits for another, nor a reply for the others sent with it, nor a turn for a whole round. The caller
+    asks for each key once (it waits for the reply of a key already asked). Updates `stats` and `bar` like
+    `generate_cached`."""
     queues: dict[float, list[tuple[int, int, int, Request]]] = {}
     order = itertools.count()
 
@@ -400,26 +461,27 @@ def generate_continuous(gen: Generator, requests: Iterable[Request],
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     tokens0 = stats["new_tokens"]
-    in_flight: dict[int, list[Request]] = {}
+    in_flight: dict[int, dict[int, Request]] = {}  # ticket -> its requests still to come back, by index
     with cache_path.open("a", encoding="utf-8") as cf:
         try:
             while queues or in_flight:
-                while queues and len(in_flight) < gen.slots:
+                while queues and (room := gen.room()) > 0:
                     temp = min(queues, key=lambda t: queues[t][0][:3])
                     q = queues[temp]
-                    chunk = [heapq.heappop(q)[3] for _ in range(min(fair_share(queues, in_flight, gen), len(q)))]
+                    chunk = [heapq.heappop(q)[3] for _ in range(min(room, len(q)))]
                     if not q:
                         del queues[temp]
                     ticket = gen.submit([r.text for r in chunk], temp, max_new_tokens,
                                         [key_seed(r.key, seed) for r in chunk])
-                    in_flight[ticket] = chunk
-                ticket, replies = gen.wait_any()
-                chunk = in_flight.pop(ticket)
-                if len(replies) != len(chunk):
-                    raise WorkbookError(f"the generator returned {len(replies)} replies for {len(chunk)} texts",
-                                        "report this as a bug")
-                record_chunk([r.key for r in chunk], replies, cache, cf, stats, bar, tokens0, t0)
-                for r, reply in zip(chunk, replies, strict=True):
+                    in_flight[ticket] = dict(enumerate(chunk))
+                back = []
+                for ticket, i, reply in gen.wait_any():
+                    back.append((in_flight[ticket].pop(i), reply))
+                    if not in_flight[ticket]:
+                        del in_flight[ticket]
+                record_chunk([r.key for r, _ in back], [reply for _, reply in back], cache, cf, stats, bar, tokens0,
+                             t0)
+                for r, reply in back:
                     take(on_reply(r.key, reply))
         except BaseException:
             if in_flight:

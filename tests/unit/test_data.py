@@ -244,14 +244,15 @@ def test_more_prompts_keep_every_cached_reply_and_a_moved_checkpoint_hits_too(tm
 
 
 class Echo:
-    """A generator of `slots` engines without a model: a reply names the user turns it answers and its temperature;
-    chunks come back newest first (as engines of different speeds may hand them back)."""
+    """A streamed generator without a model, holding up to `in_flight` requests, at most `chunk_size` a submit: a
+    reply names the user turns it answers and its temperature; replies come back one at a time, the newest request's
+    first (as engines of different speeds may hand them back)."""
 
     name = "echo"
 
-    def __init__(self, slots: int, chunk_size: int):
-        self.slots, self.chunk_size, self.batch_size = slots, chunk_size, chunk_size
-        self.held: dict[int, list] = {}
+    def __init__(self, in_flight: int, chunk_size: int):
+        self.in_flight, self.chunk_size, self.batch_size = in_flight, chunk_size, chunk_size
+        self.held: list = []
         self.chunks: list[tuple[float, int]] = []
 
     def generate(self, texts, temperature, max_new_tokens, seeds):
@@ -259,15 +260,18 @@ class Echo:
 
         return [Reply(f"{t.count('<|im_start|>user')} at {temperature}", 3, True) for t in texts]
 
+    def room(self):
+        return min(self.chunk_size, self.in_flight - len(self.held))
+
     def submit(self, texts, temperature, max_new_tokens, seeds):
-        assert len(self.held) < self.slots and len(texts) <= self.chunk_size
+        assert 0 < len(texts) <= self.room()
         self.chunks.append((temperature, len(texts)))
-        self.held[len(self.chunks)] = self.generate(texts, temperature, max_new_tokens, seeds)
+        self.held += [(len(self.chunks), i, r) for i, r in
+                      enumerate(self.generate(texts, temperature, max_new_tokens, seeds))]
         return len(self.chunks)
 
     def wait_any(self):
-        ticket = max(self.held)
-        return ticket, self.held.pop(ticket)
+        return [self.held.pop()]
 
     def cancel(self):
         self.held.clear()
@@ -277,15 +281,16 @@ class Echo:
 
 
 def test_self_distill_queues_each_next_turn_as_its_reply_comes_back(tmp_path, smol_tok):
-    """Continuous scheduling, without a model: replies out of order over 2 slots, one temperature per chunk, a
-    repeated history asked once, a closing system message kept; every reply is the one its own history asks for."""
+    """Continuous scheduling, without a model: replies one at a time and out of order, up to 6 in flight and 3 a
+    submit, one temperature per submit, a repeated history asked once, a closing system message kept; every reply is
+    the one its own history asks for."""
     cfg = load_config(None, ["data.gen_temperatures=[0.0, 0.7]", "data.gen_max_new_tokens=4"])
     u = [{"role": "user", "content": f"Question {i}?"} for i in range(6)]
     a = {"role": "assistant", "content": "old"}
     convs = [[u[0], a, u[1], a, u[2], a], [u[3], a, u[4]], [u[5]], [u[3], a, u[4], a],
              [u[1], a, {"role": "system", "content": "Closing note."}]]  # the 4th repeats the 2nd
     convs += [[{"role": "user", "content": f"Extra {i}?"}] for i in range(7)]
-    gen = Echo(2, 3)
+    gen = Echo(6, 3)
     out, st = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "c.jsonl", progress=False, generator=gen)
     temps = [prepare.reply_temperature(c, [0.0, 0.7]) for c in convs]
     for c, conv, t in zip(convs, out, temps, strict=True):
@@ -297,21 +302,8 @@ def test_self_distill_queues_each_next_turn_as_its_reply_comes_back(tmp_path, sm
     assert max(n for _, n in gen.chunks) == 3 and {t for t, _ in gen.chunks} == {0.0, 0.7}
     assert sum(n for _, n in gen.chunks) == st["generated"]
     again, st = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "c.jsonl", progress=False,
-                                     generator=Echo(2, 3))
+                                     generator=Echo(6, 3))
     assert again == out and (st["generated"], st["cached"]) == (0, 16)  # every user turn, the repeated ones too
-
-
-def test_self_distill_shares_a_short_queue_over_every_engine(tmp_path, smol_tok):
-    """A chunk is at most one slot's share of what is outstanding: 10 requests over 4 engines go out as 3, 3, 3, 1
-    (not one engine holding all 10 while three wait); one engine still takes them whole."""
-    cfg = load_config(None, ["data.gen_max_new_tokens=4"])
-    convs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(10)]
-    pool = Echo(4, 100)
-    out, st = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "a.jsonl", progress=False, generator=pool)
-    assert [n for _, n in pool.chunks] == [3, 3, 3, 1] and st["generated"] == 10
-    one = Echo(1, 100)
-    again, _ = prepare.self_distill(cfg, None, smol_tok, convs, tmp_path / "b.jsonl", progress=False, generator=one)
-    assert [n for _, n in one.chunks] == [10] and again == out
 
 
 def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):

@@ -103,6 +103,16 @@ def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, 
             log = (cache_root(cfg) / "logs" / f"gen_engine_{i}.log").read_text()
             assert f"pid={pid})" in log  # vLLM's log lines name the process that wrote them
         assert gen.generate(texts[:1], 0.0, 12, [0]) == ref[:1]  # fewer texts than engines: one share
+        # streamed: a submit goes to the engine with the most room, a quarter engine at a time
+        in_flight = gen.children[0].in_flight
+        assert in_flight == gen.children[1].in_flight > 0 and gen.room() == max(1, in_flight // 4)
+        tickets = [gen.submit(texts[:3], 0.0, 12, [0] * 3), gen.submit(texts[3:], 0.0, 12, [0] * 2)]
+        assert [gen.tickets[t][0] for t in tickets] == [0, 1] and [c.holds for c in gen.children] == [3, 2]
+        back = {}
+        while gen.tickets:
+            back.update({(t, i): r for t, i, r in gen.wait_any()})
+        assert [back[tickets[0], i] for i in range(3)] + [back[tickets[1], i] for i in range(2)] == ref
+        assert [c.holds for c in gen.children] == [0, 0] and all(c.idle for c in gen.children)
     finally:
         gen.close()
     assert gen.children == [] and gone(gen.pids)
@@ -157,25 +167,33 @@ def test_an_engine_that_fails_to_start_is_one_error_with_its_log(tmp_path, smol_
 
 
 class Counted:
-    """A generator's submit/wait_any in chunks of `chunk_size`, counting the texts asked for and the chunks back;
-    with `stop_after`, raises once that many chunks have come back (a run killed midway)."""
+    """A generator's streamed calls, at most `chunk_size` texts a submit and (with `in_flight`) that many requests
+    out at once, counting the texts asked for, the replies back per wait_any and (for the pool) the engine each
+    submit went to; with `stop_after`, raises once that many replies have come back (a run killed midway)."""
 
-    def __init__(self, gen, chunk_size: int, stop_after: int | None = None):
-        self.gen, self.chunk_size, self.stop_after = gen, chunk_size, stop_after
-        self.name, self.batch_size, self.slots = gen.name, gen.batch_size, gen.slots
-        self.asked, self.back, self.texts = 0, [], []
+    def __init__(self, gen, chunk_size: int, in_flight: int | None = None, stop_after: int | None = None):
+        self.gen, self.chunk_size, self.in_flight, self.stop_after = gen, chunk_size, in_flight, stop_after
+        self.name, self.batch_size = gen.name, gen.batch_size
+        self.asked, self.back, self.texts, self.engines = 0, [], [], []
+
+    def room(self):
+        out = self.asked - sum(self.back)
+        return min(self.gen.room(), self.chunk_size, self.in_flight - out if self.in_flight else self.chunk_size)
 
     def submit(self, texts, *args):
         self.asked += len(texts)
         self.texts += texts
-        return self.gen.submit(texts, *args)
+        ticket = self.gen.submit(texts, *args)
+        if hasattr(self.gen, "tickets"):
+            self.engines.append(self.gen.tickets[ticket][0])
+        return ticket
 
     def wait_any(self):
-        if self.stop_after is not None and len(self.back) == self.stop_after:
+        if self.stop_after is not None and sum(self.back) >= self.stop_after:
             raise KeyboardInterrupt
-        ticket, replies = self.gen.wait_any()
-        self.back.append(len(replies))
-        return ticket, replies
+        done = self.gen.wait_any()
+        self.back.append(len(done))
+        return done
 
     def cancel(self):
         self.gen.cancel()
@@ -202,10 +220,9 @@ def round_by_round(gen, cfg, tok, convs):
 @needs_vllm
 def test_continuous_multi_turn_gives_round_by_round_replies_and_a_killed_run_resumes(tmp_path, smol_tok,
                                                                                        smollm2_dir, monkeypatch):
-    """Self-distillation queues a conversation's next turn as soon as its reply exists and each engine takes the next
-    chunk as soon as it is free: over 2 engines its greedy replies are exactly one engine's, round by round. A run
-    stopped midway (the other engine's chunk still in flight) keeps every reply that came back; the rerun asks only
-    for the rest."""
+    """Self-distillation sends a conversation's next turn as soon as its reply exists, into engines that take new
+    requests while they generate: over 2 engines its greedy replies are exactly one engine's, round by round. A run
+    stopped midway (requests still in flight) keeps every reply that came back; the rerun asks only for the rest."""
     from eagle3lib.extract.generators import VllmGenerator, read_cache
     from eagle3lib.extract.prepare import make_generator, self_distill
 
@@ -227,25 +244,62 @@ def test_continuous_multi_turn_gives_round_by_round_replies_and_a_killed_run_res
                                generator=counted)
         assert got == ref and (st["generated"], st["cached"], counted.asked) == (9, 0, 9)
         assert st["new_tokens"] > 8 and st["tokens_per_s"] > 0
-        assert len(counted.back) >= 4 and max(counted.back) <= 2  # chunks of up to 2, one per engine at a time
+        assert set(counted.engines) == {0, 1} and sum(counted.back) == 9  # both engines, each reply once
+        assert pool.tickets == {} and all(c.holds == 0 and c.idle for c in pool.children)
 
         # no round barrier: one request at a time, the longest conversation's 2nd turn goes before other 1st turns
-        single = Counted(one, 1)
+        single = Counted(one, 1, in_flight=1)
         got, st = self_distill(cfg, smollm2_dir, smol_tok, convs, tmp_path / "one.jsonl", progress=False,
                                generator=single)
-        assert got == ref and single.asked == 9
+        assert got == ref and single.asked == 9 and single.back == [1] * 9
         assert [t.count("<|im_start|>user") for t in single.texts[:2]] == [1, 2]  # 3 turns to come, then 2
 
         cache = tmp_path / "distill_cache.jsonl"
-        killed = Counted(pool, 1, stop_after=3)
+        killed = Counted(pool, 1, in_flight=2, stop_after=3)
         with pytest.raises(KeyboardInterrupt):
             self_distill(cfg, smollm2_dir, smol_tok, convs, cache, progress=False, generator=killed)
-        assert len(read_cache(cache)) == 3 and killed.asked == 5  # the 4th and 5th, in flight, are lost
-        assert pool.children == []  # its engine could not be stopped midway: the pool was closed
+        kept = len(read_cache(cache))
+        assert kept == sum(killed.back) >= 3 and 1 <= killed.asked - kept <= 2  # those in flight are lost
+        assert pool.children == []  # its engines held requests: the pool was closed
         rerun = Counted(one, 2)
         again, st = self_distill(cfg, smollm2_dir, smol_tok, convs, cache, progress=False, generator=rerun)
-        assert again == ref and (st["generated"], rerun.asked) == (6, 6)
-        assert st["cached"] >= 3  # the 3 replies, and repeated histories that one of them answers
+        assert again == ref and st["generated"] == rerun.asked == 9 - kept
+        assert st["cached"] >= kept  # the replies kept, and repeated histories that one of them answers
     finally:
         one.close()
         pool.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_request_joins_a_running_engine_and_its_reply_comes_back_first(tmp_path, smol_tok, smollm2_dir,
+                                                                          monkeypatch):
+    """Streamed, a text sent while the engine generates joins its batch at the next step: its short reply comes back
+    while the long one sent before it still runs, and each equals its reply generated alone. `cancel` drops what is
+    in flight and leaves the engine up, answering as before."""
+    from eagle3lib.extract.generators import VllmGenerator
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    gen = VllmGenerator(pool_config(tmp_path, "data.gen_engines=1"), smollm2_dir, smol_tok)
+    long_text, short_text = chat_texts(smol_tok, ["Write a long story about the sea.", "Name two planets."])
+    try:
+        alone = [gen.generate([long_text], 0.0, 48, [0])[0], gen.generate([short_text], 0.0, 3, [0])[0]]
+        assert alone[0].tokens == 48 and not alone[0].finished  # cut off by the limit: it runs 48 steps
+        assert gen.room() == gen.in_flight > 0
+        first = gen.submit([long_text], 0.0, 48, [0])
+        for _ in range(4):
+            assert gen.step() == []
+        second = gen.submit([short_text], 0.0, 3, [0])
+        assert gen.room() == gen.in_flight - 2
+        order = []
+        while gen.busy():
+            order += gen.wait_any()
+        assert order == [(second, 0, alone[1]), (first, 0, alone[0])]
+
+        gen.submit([long_text], 0.0, 48, [0])
+        gen.step()
+        gen.cancel()
+        assert not gen.busy() and gen.room() == gen.in_flight
+        assert gen.generate([short_text], 0.0, 3, [0]) == [alone[1]]
+    finally:
+        gen.close()
