@@ -138,13 +138,31 @@ def side_by_side_memory(kv_gib: float | None, servers: int, cpu: bool) -> list[s
     return ["--gpu-memory-utilization", f"{0.9 / servers:.3f}", "--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
 
 
+def graph_sizes(num_speculative_tokens: int, largest: int = 512) -> list[int]:
+    """The CUDA graph capture sizes of a speculating server on a GPU: vLLM's default sizes ([1, 2, 4], every 8 below
+    256, every 16 from 256 to `largest`, vllm/config/vllm.py `_set_cudagraph_sizes`) each rounded up to a multiple of
+    1 + k, the tokens one request puts through a decode step with k draft tokens, and the largest such multiple.
+
+    Why: vLLM 0.26 runs a dense target on its V2 model runner, which captures a full decode graph at each default
+    size rounded up to 1 + k but a piecewise graph at the size itself, and runs a step of T tokens on the graphs of
+    the smallest captured size >= T (vllm/v1/worker/gpu/cudagraph_utils.py: the `_candidates` table, `dispatch`).
+    Where that size has only its piecewise graph, the step runs piecewise: with k = 2, four requests (12 tokens) land
+    on 16, whose full graph sits at 18; such steps took 7.7-9.9 ms against 3.4-4.3 at the batch sizes around them
+    (benchmarks/results/serve_steps_qwen15_x4_h200_2026-12-05.json). Sizes that are multiples of 1 + k already give
+    every size both graphs. (vLLM's V1 runner rounds the sizes itself, `adjust_cudagraph_sizes_for_spec_decode`;
+    V2 skips that: vllm/config/compilation.py.)"""
+    step = 1 + num_speculative_tokens
+    default = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
+    return sorted({r for s in default if (r := -(-s // step) * step) <= largest} | {largest // step * step})
+
+
 def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: int, dtype: str, max_model_len: int,
                seed: int, cpu: bool, extra: list[str], flags: tuple[str, ...] | list[str] = (),
                memory: list[str] = ()) -> list[str]:
     """What follows `vllm serve`: the target, then the settings every server shares (the target family's engine
     settings among them: adapters.target_engine_kwargs), then its speculation, then the memory flags of servers side
     by side (`side_by_side_memory`), then evaluate.serve_args, then the grid setting's own flags (`ServerPlan.flags`):
-    the more specific come later and win."""
+    the more specific come later and win. A speculating server on a GPU captures its CUDA graphs at `graph_sizes`."""
     from eagle3lib.extract.backends.adapters import target_engine_kwargs
     from eagle3lib.extract.backends.vllm_engine import engine_flags
 
@@ -156,6 +174,9 @@ def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: in
     args += engine_flags(target_engine_kwargs(target, dtype))
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
+        if not cpu:
+            args += ["--compilation-config",
+                     json.dumps({"cudagraph_capture_sizes": graph_sizes(int(spec.get("num_speculative_tokens", k)))})]
     return [*args, *memory, *extra, *flags]
 
 

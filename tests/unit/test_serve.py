@@ -567,3 +567,29 @@ def test_a_speedup_within_the_target_alones_own_drift_is_flagged():
     assert "**Within the host's own drift** at concurrency 4 (×1.15, drift -16.0%)" in "\n".join(headline(serve))
     table = "\n".join(section(serve))
     assert f"{first['4']:,.1f} then {first['4'] * 0.84:,.1f} tok/s at 4 (-16.0%)" in table
+
+
+def test_a_speculating_server_on_a_gpu_captures_its_graphs_at_multiples_of_k_plus_1(tiny_llama_dir):
+    """Every CUDA graph size of a server with k draft tokens is a multiple of 1 + k (a decode step's tokens per
+    request), vLLM's default sizes rounded up, so every decode batch up to the largest finds a size with both its
+    graphs; the flag goes to speculating servers on a GPU only, before evaluate.serve_args (a user's own wins)."""
+    from eagle3lib.evaluate.serve import graph_sizes, serve_args
+
+    for k in (1, 2, 3, 4, 5):
+        sizes = graph_sizes(k)
+        assert sizes == sorted(set(sizes)) and all(s % (k + 1) == 0 and s <= 512 for s in sizes), (k, sizes)
+        assert max(sizes) > 512 - (k + 1)  # batches up to 512 tokens, as vLLM's default, keep a graph
+    assert graph_sizes(2)[:8] == [3, 6, 9, 18, 24, 33, 42, 48]  # 4 requests (12 tokens) run at 18, not at 16
+    assert graph_sizes(3)[:5] == [4, 8, 16, 24, 32]  # vLLM's own sizes from 4 on: already multiples of 4
+
+    def flag(spec, cpu=False, extra=()):
+        argv = serve_args(tiny_llama_dir, tiny_llama_dir, spec, 3, "bfloat16", 2048, 0, cpu, list(extra))
+        return [json.loads(argv[i + 1]) for i, a in enumerate(argv) if a == "--compilation-config"], argv
+
+    got, _ = flag({"method": "eagle3", "num_speculative_tokens": 2})
+    assert got == [{"cudagraph_capture_sizes": graph_sizes(2)}]
+    assert flag({"method": "ngram", "num_speculative_tokens": 4})[0] == [{"cudagraph_capture_sizes": graph_sizes(4)}]
+    assert flag(None)[0] == [] and flag({"method": "eagle3", "num_speculative_tokens": 2}, cpu=True)[0] == []
+    mine = {"cudagraph_capture_sizes": [3]}
+    got, argv = flag({"method": "eagle3", "num_speculative_tokens": 2}, extra=["--compilation-config", json.dumps(mine)])
+    assert got[-1] == mine and argv.index("--speculative-config") < len(argv) - 2
