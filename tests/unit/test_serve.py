@@ -527,7 +527,8 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
 
 def test_the_report_card_says_which_flags_of_its_serve_command_were_for_servers_side_by_side():
     """The committed 1.5B x4 run (its servers side by side on one H200): the card's command is the one that ran,
-    memory flags included, and the line after it says those two flags were for sharing the GPU."""
+    memory flags included, and the line after it says those two flags were for sharing the GPU; a command with the
+    draft's CUDA graph sizes gets a line that says why."""
     from eagle3lib.evaluate.serve_report import headline
 
     run = REPO_ROOT / "benchmarks" / "results" / "runs" / "qwen-coder-1.5b-x4-h200-2026-12-05"
@@ -539,6 +540,10 @@ def test_the_report_card_says_which_flags_of_its_serve_command_were_for_servers_
     alone = {**serve, "command": {**serve["command"], "argv": [a for a in serve["command"]["argv"]
                                                                if a != "--kv-cache-memory-bytes"]}}
     assert "a server of its own" not in "\n".join(headline(alone))
+    assert "CUDA graph sizes" not in text  # that run's servers had vLLM's default sizes
+    sized = {**serve, "command": {**serve["command"], "argv": [*serve["command"]["argv"], "--compilation-config",
+                                                               '{"cudagraph_capture_sizes": [4, 8]}']}}
+    assert "Its CUDA graph sizes (`--compilation-config`) are multiples of 1 + k" in "\n".join(headline(sized))
 
 
 def test_a_speedup_within_the_target_alones_own_drift_is_flagged():
