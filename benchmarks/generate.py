@@ -21,8 +21,8 @@ throughput — the lever for more data inside the recipe's 20 minutes. This meas
 
 `--multi-turn` measures stage 02's self-distillation itself (eagle3lib.extract.prepare.self_distill, with a fresh
 reply cache) on the first --prompts conversations of the config's own sources (seeded shuffle): every user turn is
-answered after the target's earlier replies, each next turn queued as soon as its previous reply exists, each engine
-taking the next chunk of `data.gen_batch_size` as soon as it is free; the config's temperatures and batch size.
+answered after the target's earlier replies, each next turn sent into a running engine as soon as its previous reply
+exists (the engines stream: eagle3lib.extract.generators.VllmGenerator); the config's temperatures.
 
     python benchmarks/generate.py --config configs/qwen-coder-1.5b-h200.yaml --multi-turn --prompts 100000 \
         --max-new-tokens 384 --engines 1 2 3 --out /tmp/generate_multiturn_h200.json        # the recipe's stage 02
@@ -98,10 +98,9 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     from eagle3lib.target import load_tokenizer, resolve_model_path
 
     variant, n = json.loads(args.one), args.one_engines
-    size = ([f"data.gen_max_new_tokens={args.max_new_tokens}"] if args.multi_turn
-            else [f"data.gen_batch_size={args.prompts}"])
-    cfg = load_config(args.config, ["data.generator=vllm", f"data.gen_vllm_args={json.dumps(variant)}", *size,
-                                    f"data.gen_engines={n}", *args.param])
+    cfg = load_config(args.config, ["data.generator=vllm", f"data.gen_vllm_args={json.dumps(variant)}",
+                                    f"data.gen_max_new_tokens={args.max_new_tokens}", f"data.gen_engines={n}",
+                                    *args.param])
     model_dir = resolve_model_path(cfg.target)
     tok = load_tokenizer(cfg.target, model_dir)
     texts = [] if args.multi_turn else prompts(tok, args.prompts)

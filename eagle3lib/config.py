@@ -145,11 +145,9 @@ class DataSection(Section):
     self_distill: bool = Field(True, description="Regenerate assistant turns with the target itself.")
     gen_max_new_tokens: int = Field(128, description="Self-distillation: new tokens per reply.")
     gen_temperature: float = Field(0.0, description="Self-distillation: 0 = greedy.")
-    gen_batch_size: int = Field(16, description="Prompts per generate call: transformers, one padded batch; vllm, "
-                                "self-instruct's and magpie's prompts per LLM.generate call (at least 256; "
-                                "self-distillation streams instead, each engine holding its max_num_seqs and a quarter "
-                                "more). The reply cache is written after each call (streamed: as the replies come "
-                                "back).")
+    gen_batch_size: int = Field(16, description="data.generator: transformers only: prompts per generate call (one "
+                                "padded batch; the reply cache is written after each). A vLLM engine takes requests "
+                                "as they come instead, holding its max_num_seqs and a quarter more.")
     gen_temperatures: list[float] | None = Field(
         None, description="Self-distillation at several temperatures: each conversation is answered at one of them, "
         "dealt by a hash of its first user turn, so a bigger source keeps the replies already cached "
@@ -165,10 +163,9 @@ class DataSection(Section):
         "own, e.g. {max_num_seqs: 512} (benchmarks/generate.py measures such settings against each other).")
     gen_engines: int = Field(
         1, ge=1, description="data.generator: vllm only: vLLM engines that generate side by side, each in its own "
-        "process on the same GPU with 1/N of extract.gpu_memory_utilization and run.seed + its index; "
-        "self-distillation streams each request to the engine with the most room (self-instruct shares a chunk "
-        "out among them). Why: a small target's decode is bound by the engine's CPU-side work, not "
-        "the GPU: SmolLM2-135M on one H200 wrote 28.1k tok/s with 1 engine, 39.5k with 2 (x1.41, "
+        "process on the same GPU with 1/N of extract.gpu_memory_utilization and run.seed + its index; every "
+        "request goes to the engine with the most room, as it comes. Why: a small target's decode is bound by the "
+        "engine's CPU-side work, not the GPU: SmolLM2-135M on one H200 wrote 28.1k tok/s with 1 engine, 39.5k with 2 (x1.41, "
         "benchmarks/results/generate_engines_h200_2026-12-02.json). Greedy replies do not depend on it, sampled ones do.")
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0,

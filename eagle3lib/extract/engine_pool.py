@@ -12,9 +12,9 @@ x1.41 measurement: in-process, scheduling and output handling would share one GI
 stage 02's `make_generator` (eagle3lib.extract.prepare) returns for N > 1, starts the N engines on the first call
 (a fully cached rerun starts none). Two ways in: streamed, `submit` sends texts to the engine with the most room
 (each holds up to `generators.in_flight_for` its max_num_seqs) and `wait_any` hands back every reply that came back
-since, from any engine, so self-distillation (generators.generate_continuous) keeps every engine's batch full, none
-waiting for another; `generate` (self-instruct) deals text j to engine j % N, sends every share, then gathers the
-replies in input order. Greedy replies are the single engine's; sampled ones depend on N and on when each request
+since, from any engine, so stage 02's generation (generators.generate_continuous) keeps every engine's batch full,
+none waiting for another; `generate` (benchmarks/generate.py) deals text j to engine j % N, sends every share, then
+gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N and on when each request
 joined its engine's batch, since each engine samples from its own seed.
 
 The engines start one after another, each once the one before is ready; only their imports overlap (all N processes
@@ -70,7 +70,7 @@ from typing import Any
 
 from eagle3lib.config import WorkbookConfig
 from eagle3lib.errors import WorkbookError
-from eagle3lib.extract.generators import Done, Reply, vllm_batch_size
+from eagle3lib.extract.generators import Done, Reply
 
 STOP_GRACE_S = 30.0  # a child told to stop closes its engine and exits; after this it is stopped by signal
 
@@ -123,14 +123,13 @@ class _Engine:
 
 class EnginePoolGenerator:
     """`data.gen_engines` VllmGenerators in child processes behind the one Generator interface (the module's
-    docstring says why and how). `batch_size` is N x one engine's, so every engine gets a full share."""
+    docstring says why and how)."""
 
     name = "vllm"
 
     def __init__(self, cfg: WorkbookConfig, model_dir: Path, tok: Any):
         self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
         self.engines = cfg.data.gen_engines
-        self.batch_size = self.engines * vllm_batch_size(cfg)  # generate: one share per engine
         self.tickets: dict[int, list[int]] = {}  # ticket -> [engine index, replies still to come]
         self._tickets = 0
         self.children: list[_Engine] = []

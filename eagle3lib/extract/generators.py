@@ -8,10 +8,10 @@ of them side by side, eagle3lib.extract.engine_pool) are interchangeable:
 in now, `submit(...) -> ticket` sends them, `wait_any() -> [(ticket, index, Reply)]` hands back the replies finished
 since, each as soon as it exists (a vLLM engine takes new requests between its steps, so its batch never drains while
 there is work; transformers generates a whole chunk at submit). Everything around it — the resume cache, the progress
-bar and the tokens/s stats — is written once: `generate_cached` for a list of texts (synchronous chunks,
-self-instruct), `generate_continuous` for requests whose replies ask for more (self-distillation: a conversation's
-next turn joins the running batch as soon as its previous reply exists, with no barrier across replies, engines or
-turns).
+bar and the tokens/s stats — is written once: `generate_continuous` for requests whose replies ask for more
+(self-distillation: a conversation's next turn joins the running batch as soon as its previous reply exists, with no
+barrier across replies, engines or turns), and `generate_cached`, the same for a list of texts (self-instruct, magpie,
+follow-up requests).
 
 Texts are fully rendered prompts (chat template already applied, generation prompt or an open user turn included),
 so the generator never decides how a conversation is rendered. Each text carries a seed derived from its cache key;
@@ -55,14 +55,13 @@ Done = tuple[int, int, Reply]  # (ticket, index of the text in its submit, its r
 
 
 class Generator(Protocol):
-    """`generate`: up to `batch_size` texts, synchronously, replies in input order. Streamed: `room()` is how many
+    """`generate`: texts, synchronously, replies in input order. Streamed: `room()` is how many
     texts the next `submit` may carry (0: `wait_any` first; the first call starts the engines), `submit` sends them
     and returns a ticket, `wait_any` blocks until at least one reply is done and returns every reply done since;
     `cancel` drops what is in flight (a caller that stops midway); `close` frees the engines (a later call starts
     them again)."""
 
     name: str
-    batch_size: int
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
         ...
@@ -157,12 +156,6 @@ class TransformersGenerator:
         gc.collect()
 
 
-def vllm_batch_size(cfg: WorkbookConfig) -> int:
-    """Prompts per synchronous `generate` call of one engine (self-instruct's chunks): the engine batches inside a
-    call, the cache is written after each."""
-    return max(cfg.data.gen_batch_size, 256)
-
-
 def in_flight_for(max_num_seqs: int) -> int:
     """How many requests one vLLM engine holds at once when streamed: its batch (`max_num_seqs`, what one step
     runs) and a quarter more waiting in its own queue, so a finished sequence's place is taken at the next step even
@@ -195,7 +188,6 @@ class VllmGenerator:
 
     def __init__(self, cfg: WorkbookConfig, model_dir: Path, tok: Any):
         self.cfg, self.model_dir, self.tok = cfg, Path(model_dir), tok
-        self.batch_size = vllm_batch_size(cfg)
         self.llm: Any = None
         self.max_model_len = 0
         self.in_flight = 0  # requests the engine may hold at once (`in_flight_for` its max_num_seqs), once started
@@ -378,41 +370,25 @@ def record_chunk(keys: list[str], replies: list[Reply], cache: dict[str, dict[st
 def generate_cached(gen: Generator, items: list[tuple[str, str, float]], max_new_tokens: int, seed: int,
                     cache: dict[str, dict[str, Any]], cache_path: Path, stats: dict[str, Any],
                     bar: Any = None) -> dict[str, Reply]:
-    """Replies for (key, text, temperature) items: from `cache` where present, else generated — grouped by
-    temperature, sorted by length (little padding), in chunks of `gen.batch_size`, each chunk appended to
-    `cache_path` as soon as it is done (a killed run loses at most one chunk). Updates `stats` and `bar`."""
+    """Replies for (key, text, temperature) items: from `cache` where present, else generated through
+    `generate_continuous` (streamed; by temperature and length, so transformers batches have little padding), each
+    appended to `cache_path` as it comes back (a killed run loses only what was in flight). A key asked twice (a
+    repeated prompt) is generated once. Updates `stats` and `bar`."""
     out: dict[str, Reply] = {}
-    todo = []
-    queued: set[str] = set()
+    asked: dict[str, Request] = {}
     for key, text, temp in items:
-        if key in cache:
-            out[key] = cached_reply(cache[key])
+        if key not in asked:
+            asked[key] = Request(key, text, temp)
+        elif key in cache:  # counted as each cached item always was
             stats["cached"] += 1
             if bar is not None:
                 bar.update(1)
-        elif key not in queued:  # the same history twice (a repeated prompt): generated once
-            queued.add(key)
-            todo.append((key, text, temp))
-    if not todo:
-        return out
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    todo.sort(key=lambda x: (x[2], len(x[1])))
-    t0 = time.time()
-    tokens0 = stats["new_tokens"]
-    with cache_path.open("a", encoding="utf-8") as cf:
-        start = 0
-        while start < len(todo):
-            temp = todo[start][2]
-            end = start
-            while end < len(todo) and end - start < gen.batch_size and todo[end][2] == temp:
-                end += 1
-            chunk = todo[start:end]
-            replies = gen.generate([t for _, t, _ in chunk], temp, max_new_tokens,
-                                   [key_seed(k, seed) for k, _, _ in chunk])
-            keys = [k for k, _, _ in chunk]
-            out.update(zip(keys, replies, strict=True))
-            record_chunk(keys, replies, cache, cf, stats, bar, tokens0, t0)
-            start = end
+
+    def keep(key: str, reply: Reply) -> list[Request]:
+        out[key] = reply
+        return []
+
+    generate_continuous(gen, asked.values(), keep, max_new_tokens, seed, cache, cache_path, stats, bar)
     return out
 
 
@@ -438,8 +414,8 @@ def generate_continuous(gen: Generator, requests: Iterable[Request],
     per submit, shortest texts together within a priority: little padding for transformers); the replies are appended
     to `cache_path` as they come back (a killed run loses only what was in flight), then handed on. No barrier: an
     engine never waits for another, nor a reply for the others sent with it, nor a turn for a whole round. The caller
-    asks for each key once (it waits for the reply of a key already asked). Updates `stats` and `bar` like
-    `generate_cached`."""
+    asks for each key once (it waits for the reply of a key already asked). Updates `stats` (generated, cached, new
+    tokens) and `bar` (one step per reply, generated or cached)."""
     queues: dict[float, list[tuple[int, int, int, Request]]] = {}
     order = itertools.count()
 

@@ -251,7 +251,7 @@ class Echo:
     name = "echo"
 
     def __init__(self, in_flight: int, chunk_size: int):
-        self.in_flight, self.chunk_size, self.batch_size = in_flight, chunk_size, chunk_size
+        self.in_flight, self.chunk_size = in_flight, chunk_size
         self.held: list = []
         self.chunks: list[tuple[float, int]] = []
 
@@ -435,9 +435,9 @@ class Asked:
     def __getattr__(self, name):
         return getattr(self.gen, name)
 
-    def generate(self, texts, *args):
+    def submit(self, texts, *args):
         self.texts += texts
-        return self.gen.generate(texts, *args)
+        return self.gen.submit(texts, *args)
 
 
 SMOLLM2_PREFIX = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
