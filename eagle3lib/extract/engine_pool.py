@@ -14,8 +14,8 @@ stage 02's `make_generator` (eagle3lib.extract.prepare) returns for N > 1, start
 (each holds up to `generators.in_flight_for` its max_num_seqs) and `wait_any` hands back every reply that came back
 since, from any engine, so stage 02's generation (generators.generate_continuous) keeps every engine's batch full,
 none waiting for another; `generate` (benchmarks/generate.py) deals text j to engine j % N, sends every share, then
-gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N and on when each request
-joined its engine's batch, since each engine samples from its own seed.
+gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N and on when each
+request joined its engine's batch, since each engine samples from its own seed.
 
 The engines start one after another, each once the one before is ready; only their imports overlap (all N processes
 begin at once, import vLLM, ~13 s of CPU each, and wait for their turn). Started at once, they raced: vLLM sizes its
@@ -98,6 +98,10 @@ class _Engine:
     in_flight: int = 0
     holds: int = 0
     idle: bool = False
+
+    @property
+    def room(self) -> int:
+        return self.in_flight - self.holds
 
     @classmethod
     def start(cls, index: int, cfg: WorkbookConfig, model_dir: Path, log: Path) -> _Engine:
@@ -184,15 +188,16 @@ class EnginePoolGenerator:
     def room(self) -> int:
         """What the engine with the most room may take now, at most a quarter of its `in_flight` at once: a long
         queue is dealt out over the engines rather than filling one while the others wait."""
-        self.start()
-        most = max(self.children, key=lambda c: c.in_flight - c.holds)
-        return max(0, min(most.in_flight - most.holds, max(1, most.in_flight // 4)))
+        most = self._most_room()
+        return max(0, min(most.room, max(1, most.in_flight // 4)))
 
     def submit(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> int:
         """Send texts to the engine with the most room; their replies come back through `wait_any`."""
+        return self._send(self._most_room(), texts, temperature, max_new_tokens, seeds)
+
+    def _most_room(self) -> _Engine:
         self.start()
-        return self._send(max(self.children, key=lambda c: c.in_flight - c.holds), texts, temperature,
-                          max_new_tokens, seeds)
+        return max(self.children, key=lambda c: c.room)
 
     def _send(self, child: _Engine, texts: list[str], temperature: float, max_new_tokens: int,
               seeds: list[int]) -> int:

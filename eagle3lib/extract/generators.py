@@ -84,7 +84,7 @@ class Generator(Protocol):
 
 class TransformersGenerator:
     """Batched `model.generate` with left padding; the model loads on the first call (a fully cached rerun never
-    loads it). One call = one padded batch: the caller chunks by `batch_size`."""
+    loads it). One call = one padded batch; streamed, one submit of up to `batch_size` texts (its `room`)."""
 
     name = "transformers"
 
