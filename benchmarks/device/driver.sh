@@ -54,6 +54,9 @@
 #                workbook_epochs_x2: benchmarks/peers.py) on its fork, then stage 06 of all of them side by side (k = 3,
 #                concurrency 1) -> $RES/peers_<run>.json (+ .md, .png). The 1.5B from the committed cache with two
 #                arms beside the workbook: 00-04 220 s, 05 ~420 s, 06 ~230 s (975 s with the target's conversion)
+#   serve_graphs GPU 0: stage 06's serve step on a random draft of $CONFIG's target (GRAPH_GRID: its k, default 2),
+#                with stage 06's CUDA graph sizes and with vLLM's defaults: step time by requests in flight
+#                -> $RES/serve_graphs_<run>.json (+ .png; benchmarks/serve_graphs.py)
 #   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE ($RUN at GEN_SCALE=1) online: $CONFIG's sources scaled by
 #                GEN_SCALE (default 4; 1 = the config's own, e.g. configs/qwen-coder-1.5b-x4-h200.yaml),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
@@ -98,7 +101,7 @@ pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
   --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* outputs/$RUN-x* \
   outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
-  outputs/$SRUN-spool outputs/$RUN-speculators-cli* outputs/$RUN-workbook-* 2>/dev/null; }
+  outputs/$SRUN-spool outputs/$RUN-speculators-cli* outputs/$RUN-workbook-* outputs/$RUN-graphs-* 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -175,11 +178,11 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli}" \
-    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" > "$RES/plan.env"
+    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${GRAPH_GRID:-2}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
   cp benchmarks/device/driver.sh "$RES/driver.sh"
@@ -300,6 +303,18 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
         --prompts 100000 --max-new-tokens 384 --temperatures 0.0 --variants "$GEN_RECIPE" \
         --engines ${ENGINES:-1 2 4} --first-turns --vllm-offline --timeout 540 \
         --out "$RES/generate_multiturn_$RUN.json" > "$RES/generate_multi.log" 2>&1
+      ;;
+    serve_graphs)
+      # stage 06's serve step on a random draft of $CONFIG's target, servers side by side, a level at a time: a
+      # speculating server's step time by requests in flight with stage 06's CUDA graph sizes and with vLLM's
+      # defaults (benchmarks/serve_graphs.py; GRAPH_GRID: draft tokens per server, default 2, the k the sizes fix)
+      step "a random draft's servers: graph sizes against vLLM's defaults"
+      # shellcheck disable=SC2086 - GRAPH_GRID is a list of k
+      CUDA_VISIBLE_DEVICES=0 timeout 1200 python3 benchmarks/serve_graphs.py --config "$CONFIG" --run "$RUN-graphs" \
+        --grid ${GRAPH_GRID:-2} --levels 4 5 9 12 13 16 --out "$RES/serve_graphs_$RUN.json" \
+        --png "$RES/serve_graphs_$RUN.png" \
+        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=serve_graphs, $CONFIG" \
+        > "$RES/serve_graphs.log" 2>&1
       ;;
     gen_data)
       x=${GEN_SCALE:-4}; grun=$(gen_run); gargs=(-p train.hidden_states=online -p "$(scaled_sources "$x")" \

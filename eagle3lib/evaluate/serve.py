@@ -138,10 +138,16 @@ def side_by_side_memory(kv_gib: float | None, servers: int, cpu: bool) -> list[s
     return ["--gpu-memory-utilization", f"{0.9 / servers:.3f}", "--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
 
 
+def vllm_graph_sizes(largest: int = 512) -> list[int]:
+    """vLLM's default CUDA graph capture sizes up to `largest`: [1, 2, 4], every 8 below 256, every 16 from 256
+    (vllm/config/vllm.py `_set_cudagraph_sizes`; 512 is a speculating server's largest by default there)."""
+    return [1, 2, 4, *range(8, min(largest + 1, 256), 8), *range(256, largest + 1, 16)]
+
+
 def graph_sizes(num_speculative_tokens: int, largest: int = 512) -> list[int]:
-    """The CUDA graph capture sizes of a speculating server on a GPU: vLLM's default sizes ([1, 2, 4], every 8 below
-    256, every 16 from 256 to `largest`, vllm/config/vllm.py `_set_cudagraph_sizes`) each rounded up to a multiple of
-    1 + k, the tokens one request puts through a decode step with k draft tokens, and the largest such multiple.
+    """The CUDA graph capture sizes of a speculating server on a GPU: vLLM's default sizes (`vllm_graph_sizes`) each
+    rounded up to a multiple of 1 + k, the tokens one request puts through a decode step with k draft tokens, and
+    the largest such multiple.
 
     Why: vLLM 0.26 runs a dense target on its V2 model runner, which captures a full decode graph at each default
     size rounded up to 1 + k but a piecewise graph at the size itself, and runs a step of T tokens on the graphs of
@@ -152,8 +158,8 @@ def graph_sizes(num_speculative_tokens: int, largest: int = 512) -> list[int]:
     every size both graphs. (vLLM's V1 runner rounds the sizes itself, `adjust_cudagraph_sizes_for_spec_decode`;
     V2 skips that: vllm/config/compilation.py.)"""
     step = 1 + num_speculative_tokens
-    default = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
-    return sorted({r for s in default if (r := -(-s // step) * step) <= largest} | {largest // step * step})
+    return sorted({r for s in vllm_graph_sizes(largest) if (r := -(-s // step) * step) <= largest}
+                  | {largest // step * step})
 
 
 def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: int, dtype: str, max_model_len: int,
