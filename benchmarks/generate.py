@@ -7,7 +7,7 @@ each variant of `data.gen_vllm_args` runs in its own process (a fresh engine, GP
 workbook's own generator (eagle3lib.extract.generators.VllmGenerator), on the same prompts, greedy and sampled.
 
 `--engines N` runs every variant on N engines side by side on the same GPU through stage 02's engine pool
-(eagle3lib.extract.engine_pool: 1/N of the memory share each, started one after another, the prompts dealt out);
+(eagle3lib.extract.engine_pool: 1/N of the memory share each, engine 0 started first, the prompts dealt out);
 tokens/s is all engines' new tokens over the one generate call, from the moment all are up to the last reply. Why: a 135M target's decode step is bound by the
 engine's CPU-side work (scheduling, sampling, output handling), not by the GPU, so several engines may multiply the
 throughput — the lever for more data inside the recipe's 20 minutes. This measures it before stage 02 is built on it.
@@ -111,6 +111,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         gen.start()
         res["engine_start_s"] = gen.start_s
         res["engine_start_s_each"] = getattr(gen, "start_each_s", [gen.start_s])
+        res["engine_kv_cache_bytes_each"] = getattr(gen, "kv_cache_bytes", None)
         res["in_flight_each"] = [c.in_flight for c in getattr(gen, "children", [gen])]  # requests an engine holds
         print("STARTED " + json.dumps(res), flush=True)  # what a variant cut off by --timeout still reports
 

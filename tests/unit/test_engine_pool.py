@@ -65,10 +65,11 @@ def chat_texts(tok, questions: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @needs_vllm
-def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, smol_tok, smollm2_dir, monkeypatch):
-    """Greedy replies through 2 engine processes equal one in-process VllmGenerator's, in the input order; each
-    engine is its own process with its own log, started once the one before is ready; close stops both by the stop
-    message and leaves no child."""
+def test_three_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, smol_tok, smollm2_dir,
+                                                                       monkeypatch):
+    """Greedy replies through 3 engine processes equal one in-process VllmGenerator's, in the input order; each
+    engine is its own process with its own log; engine 0 starts alone, the other two at once once it is up, with its
+    KV cache size; close stops all three by the stop message and leaves no child."""
     import psutil
 
     from eagle3lib.extract.engine_pool import EnginePoolGenerator
@@ -77,7 +78,7 @@ def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, 
     from eagle3lib.rundir import cache_root
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    cfg = pool_config(tmp_path)
+    cfg = pool_config(tmp_path, "data.gen_engines=3")
     texts = chat_texts(smol_tok, ["What is the capital of France?", "Give me three tips for better sleep.",
                                   "What is 12 times 11?", "Write a haiku about the sea.", "Name two planets."])
     one = VllmGenerator(cfg, smollm2_dir, smol_tok)
@@ -92,11 +93,14 @@ def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, 
         got = gen.generate(texts, 0.0, 12, [0] * len(texts))
         assert got == ref
         procs = [c.proc for c in gen.children]
-        assert len(set(gen.pids)) == 2 and os.getpid() not in gen.pids and gen.pids == [p.pid for p in procs]
-        assert gen.start_s > 0 and len(gen.start_each_s) == 2 and min(gen.start_each_s) > 0
-        # one after another (engines profiling the GPU's free memory at once raced): engine 1's start began only
-        # once engine 0's was done; their processes (and imports) began together, before either engine's start
-        assert gen.began[1] >= gen.began[0] + gen.start_each_s[0] - 0.01, (gen.began, gen.start_each_s)  # rounded
+        assert len(set(gen.pids)) == 3 and os.getpid() not in gen.pids and gen.pids == [p.pid for p in procs]
+        assert gen.start_s > 0 and len(gen.start_each_s) == 3 and min(gen.start_each_s) > 0
+        # engine 0 alone (engines profiling the GPU's free memory at once raced), then engines 1 and 2 together with
+        # its KV cache size (here vllm-cpu's VLLM_CPU_KVCACHE_SPACE): engine 2 began before engine 1 was up; all
+        # three processes (and imports) began together, before any engine's start
+        assert min(gen.began[1:]) >= gen.began[0] + gen.start_each_s[0] - 0.01, (gen.began, gen.start_each_s)
+        assert gen.began[2] < gen.began[1] + gen.start_each_s[1], (gen.began, gen.start_each_s)
+        assert gen.kv_cache_bytes == [2**30] * 3
         born = [psutil.Process(pid).create_time() for pid in gen.pids]
         assert max(born) < gen.began[0], (born, gen.began)
         for i, pid in enumerate(gen.pids):
@@ -107,16 +111,16 @@ def test_two_engines_give_the_single_engines_greedy_replies_and_close(tmp_path, 
         in_flight = gen.children[0].in_flight
         assert in_flight == gen.children[1].in_flight > 0 and gen.room() == max(1, in_flight // 4)
         tickets = [gen.submit(texts[:3], 0.0, 12, [0] * 3), gen.submit(texts[3:], 0.0, 12, [0] * 2)]
-        assert [gen.tickets[t][0] for t in tickets] == [0, 1] and [c.holds for c in gen.children] == [3, 2]
+        assert [gen.tickets[t][0] for t in tickets] == [0, 1] and [c.holds for c in gen.children] == [3, 2, 0]
         back = {}
         while gen.tickets:
             back.update({(t, i): r for t, i, r in gen.wait_any()})
         assert [back[tickets[0], i] for i in range(3)] + [back[tickets[1], i] for i in range(2)] == ref
-        assert [c.holds for c in gen.children] == [0, 0] and all(c.idle for c in gen.children)
+        assert [c.holds for c in gen.children] == [0, 0, 0] and all(c.idle for c in gen.children)
     finally:
         gen.close()
     assert gen.children == [] and gone(gen.pids)
-    assert [p.returncode for p in procs] == [0, 0]  # each left by the stop message (closing its engine), no signal
+    assert [p.returncode for p in procs] == [0, 0, 0]  # each left by the stop message (closing its engine), no signal
 
 
 @pytest.mark.slow
