@@ -22,7 +22,9 @@ throughput — the lever for more data inside the recipe's 20 minutes. This meas
 `--multi-turn` measures stage 02's self-distillation itself (eagle3lib.extract.prepare.self_distill, with a fresh
 reply cache) on the first --prompts conversations of the config's own sources (seeded shuffle): every user turn is
 answered after the target's earlier replies, each next turn sent into a running engine as soon as its previous reply
-exists (the engines stream: eagle3lib.extract.generators.VllmGenerator); the config's temperatures.
+exists (the engines stream: eagle3lib.extract.generators.VllmGenerator); the config's temperatures. Its result
+holds the run's timeline (`Timeline`): tokens/s and requests in flight every 5 s, and how long the tail lasted (the
+requests in flight below a quarter of their peak for good) with its share of the new tokens.
 
     python benchmarks/generate.py --config configs/qwen-coder-1.5b-h200.yaml --multi-turn --prompts 100000 \
         --max-new-tokens 384 --engines 1 2 3 --out /tmp/generate_multiturn_h200.json        # the recipe's stage 02
@@ -144,19 +146,70 @@ def conversations(cfg: Any, n: int) -> list[list[dict[str, str]]]:
     return [r["messages"] for r in records[:n]]
 
 
+class Timeline:
+    """The generator stage 02 is given, watched: the time, new tokens and requests in flight at each `submit` and
+    each time `wait_any` hands replies back (everything else goes to the generator itself). Why: one tokens/s figure hides a run's shape;
+    a multi-turn run ends with only the deepest conversations' later turns left, its engines' batches nearly empty,
+    and how long that tail lasts is what stands between it and a single pass over first turns."""
+
+    def __init__(self, gen: Any):
+        self.gen, self.t0, self.in_flight, self.peak = gen, None, 0, 0
+        self.marks: list[tuple[float, int, int]] = []  # (seconds since the first submit, new tokens, in flight after)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.gen, name)
+
+    def submit(self, texts: list[str], *rest: Any) -> int:
+        self.t0 = self.t0 or time.perf_counter()
+        self.in_flight += len(texts)
+        self.peak = max(self.peak, self.in_flight)
+        self.marks.append((time.perf_counter() - self.t0, 0, self.in_flight))
+        return self.gen.submit(texts, *rest)
+
+    def wait_any(self) -> list[Any]:
+        done = self.gen.wait_any()
+        self.in_flight -= len(done)
+        self.marks.append((time.perf_counter() - self.t0, sum(r.tokens for _, _, r in done), self.in_flight))
+        return done
+
+    def summary(self, bin_s: float = 5.0) -> dict[str, Any]:
+        """Tokens/s and requests in flight (at its end) per `bin_s` seconds; the tail: from the moment the requests
+        in flight fell below a quarter of their peak for good, its seconds and share of the new tokens."""
+        if not self.marks:
+            return {}
+        end, peak = self.marks[-1][0], self.peak
+        bins = int(end // bin_s) + 1
+        toks, flight, j, last = [0] * bins, [], 0, self.marks[0][2]
+        for t, n, _ in self.marks:
+            toks[int(t // bin_s)] += n
+        for i in range(bins):  # in flight at each bin's end: the count after its last event, else the bin before's
+            while j < len(self.marks) and self.marks[j][0] < (i + 1) * bin_s:
+                last, j = self.marks[j][2], j + 1
+            flight.append(last)
+        tail = len(self.marks)  # the first mark after which the count stays below a quarter of its peak
+        while tail > 0 and self.marks[tail - 1][2] < peak / 4:
+            tail -= 1
+        total = sum(n for _, n, _ in self.marks)
+        return {"bin_s": bin_s, "tokens_per_s": [round(x / bin_s, 1) for x in toks], "in_flight": flight,
+                "peak_in_flight": peak, "tail_s": round(end - (self.marks[tail - 1][0] if tail else 0.0), 1),
+                "tail_tokens_share": round(sum(n for _, n, _ in self.marks[tail:]) / total, 4) if total else None}
+
+
 def multi_turn(cfg: Any, model_dir: Path, tok: Any, gen: Any, n: int) -> dict[str, Any]:
-    """Stage 02's self-distillation of the config's first n conversations (seeded shuffle), from a fresh cache."""
+    """Stage 02's self-distillation of the config's first n conversations (seeded shuffle), from a fresh cache, with
+    its timeline (`Timeline`)."""
     import tempfile
 
     from eagle3lib.extract.prepare import self_distill
 
     convs = conversations(cfg, n)
+    watched = Timeline(gen)
     with tempfile.TemporaryDirectory() as d:
         _, st = self_distill(cfg, model_dir, tok, convs, Path(d) / "distill_cache.jsonl", progress=False,
-                             generator=gen)
+                             generator=watched)
     return {"conversations": len(convs), "user_turns": sum(m["role"] == "user" for c in convs for m in c),
             "replies": st["generated"], "new_tokens": st["new_tokens"], "seconds": st["seconds"],
-            "tokens_per_s": st["tokens_per_s"]}
+            "tokens_per_s": st["tokens_per_s"], "timeline": watched.summary()}
 
 
 def first_turns(cfg: Any, tok: Any, n: int) -> list[tuple[str, float]]:
