@@ -69,10 +69,12 @@ def make_run(config: Path, root: Path, name: str, overrides: list[str], draft: P
     cfg = load_config(config, [f"run.output_root={root}", f"run.name={name}", "evaluate.methods=[serve]",
                                "evaluate.benchmarks=[]", *overrides])
     target_dir = resolve_model_path(cfg.target)
-    layer_ids = resolve_layer_ids(cfg.target.layer_ids, AutoConfig.from_pretrained(target_dir).num_hidden_layers)
+    hf = AutoConfig.from_pretrained(target_dir)
+    layer_ids = resolve_layer_ids(cfg.target.layer_ids, hf.num_hidden_layers)
     rd = RunDir.create(cfg)
-    if draft is None:
-        draft = random_draft(target_dir, layer_ids, cfg.verifier.draft_vocab_size or 32000, rd.path("draft"))
+    if draft is None:  # stage 04's size rule: at most the target's vocabulary (eagle3lib/verifier/draft_vocab.py)
+        draft = random_draft(target_dir, layer_ids, min(cfg.verifier.draft_vocab_size, hf.vocab_size),
+                             rd.path("draft"))
     prompts = jsonl.read(bundled_prompts_path())[: cfg.evaluate.num_prompts or None]
     atomic.write_text(rd.path("data", "eval.jsonl"), "".join(json.dumps(p) + "\n" for p in prompts))
     rd.write_manifest(get_stage("02"), started=time.time(), outputs={
