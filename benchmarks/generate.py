@@ -148,9 +148,10 @@ def conversations(cfg: Any, n: int) -> list[list[dict[str, str]]]:
 
 class Timeline:
     """The generator stage 02 is given, watched: the time, new tokens and requests in flight at each `submit` and
-    each time `wait_any` hands replies back (everything else goes to the generator itself). Why: one tokens/s figure hides a run's shape;
-    a multi-turn run ends with only the deepest conversations' later turns left, its engines' batches nearly empty,
-    and how long that tail lasts is what stands between it and a single pass over first turns."""
+    each time `wait_any` hands replies back (everything else goes to the generator itself). Why: one tokens/s figure
+    hides a run's shape; a multi-turn run ends with only the deepest conversations' later turns left, its engines'
+    batches nearly empty, and how long that tail lasts is what stands between it and a single pass over first
+    turns."""
 
     def __init__(self, gen: Any):
         self.gen, self.t0, self.in_flight, self.peak = gen, None, 0, 0

@@ -19,19 +19,19 @@ request joined its engine's batch, since each engine samples from its own seed.
 
 Engine 0 starts first, alone; the others then start at once, each given engine 0's KV cache size
 (`kv_cache_memory_bytes`, read back by generators.kv_cache_bytes), with which vLLM skips its memory profile
-(vllm/v1/worker/gpu_worker.py, determine_available_memory: "skipped memory profiling"). Why not all at once: vLLM
-sizes its KV cache from the change in the GPU's free memory while it profiles ("we assume that the other processes
-using the same GPU did not change their memory usage during the profiling"), so an engine that profiled while
-another allocated its cache counted that cache as its own use; on one H200 engine 2 of 4 failed with "No available
-memory for the cache blocks" (available -0.19 GiB, 2026-12-02), and an engine that survives such a race silently gets
-a smaller cache. Engine 0 profiles alone (the others are importing vLLM, which takes no GPU memory); the others, the
-same model with the same memory share, need the same cache. Engine 0 also compiles alone into the run's compile cache
-(VLLM_CACHE_ROOT, `<run>/cache/vllm`, as any stage 02 engine): the others load its graphs (vLLM's compile hash leaves
-out the seed and gpu_memory_utilization, the two things that differ). Where engine 0's size cannot be read, the others
-start one after another, each profiling alone, as they all did before (on one H200 with the 1.5B target: 58 + 49 + 38
-+ 44 s for four, benchmarks/results/generate_qwen15_h200.json). Each engine's own start is `start_each_s`, its KV
-cache `kv_cache_bytes`, both recorded in stage 02's manifest. All N processes begin at once, so their imports (~13 s
-of CPU each) overlap.
+(vllm/v1/worker/gpu_worker.py, determine_available_memory: "skipped memory profiling"). Why not all at once: vLLM sizes
+its KV cache from the change in the GPU's free memory while it profiles ("we assume that the other processes using the
+same GPU did not change their memory usage during the profiling"), so an engine that profiled while another allocated
+its cache counted that cache as its own use; on one H200 engine 2 of 4 failed with "No available memory for the cache
+blocks" (available -0.19 GiB, 2026-12-02), and an engine that survives such a race silently gets a smaller cache.
+Engine 0 profiles alone (the others are importing vLLM, which takes no GPU memory); the others, the same model with the same
+memory share, need the same cache. Engine 0 also compiles alone into the run's compile cache (VLLM_CACHE_ROOT,
+`<run>/cache/vllm`, as any stage 02 engine): the others load its graphs (vLLM's compile hash leaves out the seed,
+gpu_memory_utilization and kv_cache_memory_bytes, the things that differ: vllm/config/cache.py). Where engine 0's size
+cannot be read, the others start one after another, each profiling alone, as they all did before (on one H200 with the
+1.5B target: 58 + 49 + 38 + 44 s for four, benchmarks/results/generate_qwen15_h200.json). Each engine's own start is
+`start_each_s`, its KV cache `kv_cache_bytes`, both recorded in stage 02's manifest. All N processes begin at once, so
+their imports (~13 s of CPU each) overlap.
 
 The channel is one socket pair per child (its end inherited as `--fd`), pickled messages in multiprocessing's
 Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engine_<i>.log:
