@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve_steps import server_steps
+from serve_steps import plot, server_steps
 
 ARMS = ("graph_sizes", "vllm_default")
 
@@ -117,30 +117,6 @@ def run_arm(args: argparse.Namespace, arm: str, draft: Path | None) -> tuple[dic
             "baseline_drift": serve.get("baseline_drift"), "steps_by_server": steps}, draft
 
 
-def plot(arms: dict[str, Any], png: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors: dict[str, str] = {}
-    for arm, style in zip(arms, ("-", "--"), strict=False):
-        for server, by in arms[arm]["steps_by_server"].items():
-            ns = [int(n) for n in by if by[n]["intervals"] >= 5]  # a count seen a few times only is noise
-            line, = ax.plot(ns, [by[str(n)]["median_ms"] for n in ns], style, marker="o", markersize=3,
-                            color=colors.get(server), label=f"{server} ({arm})")
-            colors.setdefault(server, line.get_color())
-    ax.set_xlabel("requests in flight")
-    ax.set_ylabel("median time per step (ms)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, required=True, help="its target, grid and side-by-side settings are used")
@@ -168,8 +144,9 @@ def main() -> int:
         args.out.write_text(json.dumps(out, indent=1) + "\n")  # an arm cut short keeps the one before it
         for server, by in out["arms"][arm]["steps_by_server"].items():
             print(arm, server, " ".join(f"{n}:{v['median_ms']}" for n, v in by.items() if v["intervals"] >= 5))
-    if args.png and any(a["steps_by_server"] for a in out["arms"].values()):
-        plot(out["arms"], args.png, "time per step by requests in flight: a random draft's servers")
+    if args.png and any(a["steps_by_server"] for a in out["arms"].values()):  # one line per server and arm
+        plot({f"{server} ({arm})": by for arm, a in out["arms"].items() for server, by in a["steps_by_server"].items()},
+             args.png, "time per step by requests in flight: a random draft's servers")
     return 0 if all(a["stage06_exit"] == 0 for a in out["arms"].values()) else 1
 
 

@@ -70,13 +70,14 @@ def plot(steps: dict, png: Path, title: str) -> None:
     for server, by in steps.items():
         ns = [int(n) for n in by if by[n]["intervals"] >= 5]  # a count seen a few times only is noise
         ax.plot(ns, [by[str(n)]["median_ms"] for n in ns], marker="o", label=server)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # requests are whole
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("median time per step (ms)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, frameon=False)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")  # a legend of long labels stays whole
     plt.close(fig)
 
 

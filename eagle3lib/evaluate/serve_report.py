@@ -149,11 +149,12 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
         out += [f"No setting of this draft beats the target alone at concurrency {low}: serve the target alone "
                 "(the command this stage ran):"]
     out += ["", "```bash", cmd.get("upstream", ""), "```", ""]
-    if "--kv-cache-memory-bytes" in (cmd.get("argv") or []):
+    argv = cmd.get("argv") or []
+    if "--kv-cache-memory-bytes" in argv:
         out += ["It ran beside the sweep's other servers, in a fixed share of the GPU (`--gpu-memory-utilization`, "
                 "`--kv-cache-memory-bytes`: evaluate.serve_side_by_side_kv_gib); a server of its own leaves both out "
                 "and lets vLLM size its KV cache.", ""]
-    if "--compilation-config" in (cmd.get("argv") or []) and "--speculative-config" in (cmd.get("argv") or []):
+    if "--compilation-config" in argv and "--speculative-config" in argv:
         out += ["Its CUDA graph sizes (`--compilation-config`) are multiples of 1 + k: with vLLM's default sizes some "
                 "decode batch sizes run without their full graph (docs/engines.md#cuda-graph-sizes-with-a-draft).", ""]
     if cmd.get("via_workbook_entry_point"):

@@ -24,8 +24,8 @@ its KV cache from the change in the GPU's free memory while it profiles ("we ass
 same GPU did not change their memory usage during the profiling"), so an engine that profiled while another allocated
 its cache counted that cache as its own use; on one H200 engine 2 of 4 failed with "No available memory for the cache
 blocks" (available -0.19 GiB, 2026-12-02), and an engine that survives such a race silently gets a smaller cache.
-Engine 0 profiles alone (the others are importing vLLM, which takes no GPU memory); the others, the same model with the same
-memory share, need the same cache. Engine 0 also compiles alone into the run's compile cache (VLLM_CACHE_ROOT,
+Engine 0 profiles alone (the others are importing vLLM, which takes no GPU memory); the others, the same model with the
+same memory share, need the same cache. Engine 0 also compiles alone into the run's compile cache (VLLM_CACHE_ROOT,
 `<run>/cache/vllm`, as any stage 02 engine): the others load its graphs (vLLM's compile hash leaves out the seed,
 gpu_memory_utilization and kv_cache_memory_bytes, the things that differ: vllm/config/cache.py). Where engine 0's size
 cannot be read, the others start one after another, each profiling alone, as they all did before (on one H200 with the
@@ -346,7 +346,7 @@ def serve(conn: Connection) -> int:
             except EOFError:
                 return 0  # the parent is gone
             if go.get("kv_cache_memory_bytes"):  # engine 0's size: no memory profile, which would race the others
-                cfg.data.gen_vllm_args["kv_cache_memory_bytes"] = go["kv_cache_memory_bytes"]
+                gen.cfg.data.gen_vllm_args["kv_cache_memory_bytes"] = go["kv_cache_memory_bytes"]  # read at start
             began = time.time()
             gen.start()
             conn.send({"ready": os.getpid(), "start_s": gen.start_s, "began": began, "in_flight": gen.in_flight,
