@@ -35,14 +35,17 @@ ARMS = ("graph_sizes", "vllm_default")
 
 
 def random_draft(target_dir: Path, layer_ids: list[int], draft_vocab: int, out: Path, seed: int = 0) -> Path:
-    """An untrained EAGLE-3 draft of the target, saved where vLLM loads it: one decoder layer shaped like the
-    target's, on the aux layers `layer_ids[:-1]`, the first `draft_vocab` token ids as its vocabulary."""
+    """An untrained EAGLE-3 draft of the target, saved where vLLM loads it: one Llama decoder layer with the
+    target's sizes (speculators' EAGLE-3 builds its layer from a table of model types, in the device's speculators
+    without qwen2: "KeyError: 'qwen2'" on the 1.5B; the per-layer `layer_types` list of the target's 28 layers would
+    not fit one), on the aux layers `layer_ids[:-1]`, the first `draft_vocab` token ids as its vocabulary."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from transformers import AutoConfig
+    from transformers import AutoConfig, LlamaConfig
 
-    vc = AutoConfig.from_pretrained(target_dir)
+    shape = AutoConfig.from_pretrained(target_dir).to_dict()
+    vc = LlamaConfig(**{k: v for k, v in shape.items() if k not in ("model_type", "architectures", "layer_types")})
     vc.num_hidden_layers = 1
     d2t, t2d = build_vocab_mappings_from_distribution({i: 1 for i in range(draft_vocab)}, draft_vocab, vc.vocab_size)
     torch.manual_seed(seed)

@@ -13,6 +13,7 @@ runs the `finally` that stops it. `log_tail` is what an error shows of a child's
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -26,11 +27,26 @@ from eagle3lib.config import REPO_ROOT
 LOG_TAIL_LINES = 12
 
 
+ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception)\b: ")  # an exception's last line, e.g. torch.OutOfMemoryError: ...
+CAUSES_SHOWN = 3
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The log's last `lines` lines, after the exception lines above them (the last CAUSES_SHOWN distinct ones, each
+    cut at 400 characters): a child that fails often logs its cause and then a screen of shutdown lines, e.g. a vLLM
+    engine core's "torch.OutOfMemoryError: CUDA out of memory ..." above its frontend's EngineDeadError ("See stack
+    trace (above) for the root cause") and a dozen lines of shutting down."""
     try:
-        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        text = path.read_text(errors="replace").splitlines(keepends=True)
     except OSError:
         return "(no log)\n"
+    above = []
+    for line in text[:-lines]:
+        line = line.strip()[:400]
+        if ERROR_LINE.search(line) and line not in above:
+            above.append(line)
+    head = "".join(f"{line}\n" for line in above[-CAUSES_SHOWN:])
+    return (f"errors above the last lines:\n{head}...\n" if head else "") + "".join(text[-lines:])
 
 
 _LIBC: Any = None

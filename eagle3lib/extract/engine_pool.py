@@ -287,8 +287,11 @@ class EnginePoolGenerator:
             f"generation engine {child.index} of {self.engines} failed {doing}: {error}"
             + (f" (exit code {code})" if code not in (None, 0) else "")
             + f"; last lines of {child.log}:\n{log_tail(child.log)}",
-            "read the engine's log: the target, data.gen_vllm_args, or memory (extract.gpu_memory_utilization is "
-            "shared out among data.gen_engines); a rerun resumes from the replies cached so far")
+            "read the engine's log: the target, data.gen_vllm_args, or memory: each engine gets "
+            "extract.gpu_memory_utilization / data.gen_engines of the GPU and uses more than that at full batch (on "
+            "vLLM 0.26 its CUDA graphs lie outside its memory profile: docs/engines.md#several-generation-engines), "
+            "so 'CUDA out of memory' means fewer engines or a lower extract.gpu_memory_utilization; a rerun resumes "
+            "from the replies cached so far")
 
     def close(self) -> None:
         """Stop every child and wait until it has exited (its GPU memory is then free, before extraction loads the

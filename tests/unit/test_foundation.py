@@ -234,3 +234,27 @@ def test_disk_estimate_counts_known_lengths_and_warns_only_on_the_upper_bound(ou
     disk = next(c for c in checks if c.name == "disk for hidden states")
     assert disk.status == "warn" and "stage 02 checks the real size" in disk.detail, disk
     assert facts["disk"]["upper_bound_bytes"] > free > facts["disk"]["estimated_bytes"]
+
+
+def test_a_childs_log_tail_shows_the_cause_logged_above_its_shutdown_lines(tmp_path):
+    """A vLLM engine core logs its exception, then its frontend's EngineDeadError and a dozen shutdown lines (lines as
+    one engine of four logged them on an H100, 2026-12-05): the error quotes the cause, above the unchanged tail."""
+    from eagle3lib.processes import LOG_TAIL_LINES, log_tail
+
+    cause = ("(EngineCore pid=4123) ERROR 12-05 23:52:31 [core.py:1332] torch.OutOfMemoryError: CUDA out of memory. "
+             "Tried to allocate 1.09 GiB.")
+    dead = ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for "
+            "the root cause.")
+    shutdown = [f"INFO 12-05 23:52:32 [core_client.py:66{i}] [shutdown] MPClient: step {i}" for i in range(20)]
+    lines = ["INFO loading", "Traceback (most recent call last):", cause, cause, "Traceback (most recent call last):",
+             dead, *shutdown]
+    log = tmp_path / "gen_engine_2.log"
+    log.write_text("\n".join(lines) + "\n")
+    text = log_tail(log)
+    head, tail = text.split("...\n")
+    assert head.splitlines() == ["errors above the last lines:", cause, dead]  # each once, in the log's order
+    assert tail.splitlines() == shutdown[-LOG_TAIL_LINES:]
+
+    log.write_text("\n".join(shutdown) + "\n")  # nothing failed above: the tail alone
+    assert log_tail(log).splitlines() == shutdown[-LOG_TAIL_LINES:]
+    assert log_tail(tmp_path / "missing.log") == "(no log)\n"
