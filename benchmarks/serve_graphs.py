@@ -36,9 +36,10 @@ ARMS = ("graph_sizes", "vllm_default")
 
 def random_draft(target_dir: Path, layer_ids: list[int], draft_vocab: int, out: Path, seed: int = 0) -> Path:
     """An untrained EAGLE-3 draft of the target, saved where vLLM loads it: one Llama decoder layer with the
-    target's sizes (speculators' EAGLE-3 builds its layer from a table of model types, in the device's speculators
-    without qwen2: "KeyError: 'qwen2'" on the 1.5B; the per-layer `layer_types` list of the target's 28 layers would
-    not fit one), on the aux layers `layer_ids[:-1]`, the first `draft_vocab` token ids as its vocabulary."""
+    target's sizes (speculators' EAGLE-3 builds its layer from a table of model types, which in the speculators the
+    GPU host runs has no qwen2: "KeyError: 'qwen2'" on the 1.5B; the target's per-layer `layer_types`, 28 entries,
+    would not fit one layer), on the aux layers `layer_ids[:-1]`, the first `draft_vocab` token ids as its
+    vocabulary."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution

@@ -25,8 +25,6 @@ from typing import Any
 from eagle3lib.config import REPO_ROOT
 
 LOG_TAIL_LINES = 12
-
-
 ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception)\b: ")  # an exception's last line, e.g. torch.OutOfMemoryError: ...
 CAUSES_SHOWN = 3
 
