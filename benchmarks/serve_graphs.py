@@ -34,18 +34,19 @@ from serve_steps import plot, server_steps
 ARMS = ("graph_sizes", "vllm_default")
 
 
-def random_draft(target_dir: Path, layer_ids: list[int], draft_vocab: int, out: Path, seed: int = 0) -> Path:
+def random_draft(target_dir: Path, target_config: Any, layer_ids: list[int], draft_vocab: int, out: Path,
+                 seed: int = 0) -> Path:
     """An untrained EAGLE-3 draft of the target, saved where vLLM loads it: one Llama decoder layer with the
-    target's sizes (speculators' EAGLE-3 builds its layer from a table of model types, which in the speculators the
-    GPU host runs has no qwen2: "KeyError: 'qwen2'" on the 1.5B; the target's per-layer `layer_types`, 28 entries,
-    would not fit one layer), on the aux layers `layer_ids[:-1]`, the first `draft_vocab` token ids as its
-    vocabulary."""
+    target's sizes (`target_config`, its transformers config; speculators' EAGLE-3 builds its layer from a table of
+    model types, which in the speculators the GPU host runs has no qwen2: "KeyError: 'qwen2'" on the 1.5B; the
+    target's per-layer `layer_types`, 28 entries, would not fit one layer), on the aux layers `layer_ids[:-1]`, the
+    first `draft_vocab` token ids as its vocabulary."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import LlamaConfig
 
-    shape = AutoConfig.from_pretrained(target_dir).to_dict()
+    shape = target_config.to_dict()
     vc = LlamaConfig(**{k: v for k, v in shape.items() if k not in ("model_type", "architectures", "layer_types")})
     vc.num_hidden_layers = 1
     d2t, t2d = build_vocab_mappings_from_distribution({i: 1 for i in range(draft_vocab)}, draft_vocab, vc.vocab_size)
@@ -77,7 +78,7 @@ def make_run(config: Path, root: Path, name: str, overrides: list[str], draft: P
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, hf.num_hidden_layers)
     rd = RunDir.create(cfg)
     if draft is None:  # stage 04's size rule: at most the target's vocabulary (eagle3lib/verifier/draft_vocab.py)
-        draft = random_draft(target_dir, layer_ids, min(cfg.verifier.draft_vocab_size, hf.vocab_size),
+        draft = random_draft(target_dir, hf, layer_ids, min(cfg.verifier.draft_vocab_size, hf.vocab_size),
                              rd.path("draft"))
     prompts = jsonl.read(bundled_prompts_path())[: cfg.evaluate.num_prompts or None]
     atomic.write_text(rd.path("data", "eval.jsonl"), "".join(json.dumps(p) + "\n" for p in prompts))
