@@ -318,49 +318,56 @@ def plain(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def run_child(argv: list[str], label: dict[str, Any], n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_child(argv: list[str], name: str, label: dict[str, Any], n: int, args: argparse.Namespace) -> dict[str, Any]:
     """One arm (`argv`: the internal flags that pick it) in a fresh process (its GPU memory is free again when it
-    exits), cut off after --timeout; `label` names it in the result when it reports nothing of its own. Cut off, the
-    arm is stopped with every process under it: vLLM's engine core (a process of its own under vLLM's defaults)
-    outlived a killed arm, holding its output pipes open, and the benchmark waited on them until it was killed by hand
-    (the CPU check of the plain-vLLM arm, whose compile did not finish in 300 s)."""
+    exits), cut off after --timeout; `label` names it in the result when it reports nothing of its own. Everything
+    the arm prints (vLLM logs to stdout, beside the arm's STARTED and RESULT lines) goes to `<out>.<name>.log` beside
+    --out as it is written, so an arm stopped from outside still says where it was (the GPU host's lease ended during
+    plain vLLM's arm on 2026-12-06, when the arm's output was a pipe read at its end: nothing of it came back). Cut
+    off, the arm is stopped with every process under it (vLLM's engine core, a process of its own under vLLM's
+    defaults, outlived a killed arm)."""
     from eagle3lib.processes import descendants, stop_process_tree
 
-    p = subprocess.Popen([sys.executable, __file__, *argv, *sys.argv[1:]],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    out_path = Path(args.out)
+    log_path = out_path.with_name(f"{out_path.stem}.{name}.log")
+    with open(log_path, "w") as log_file:
+        p = subprocess.Popen([sys.executable, __file__, *argv, *sys.argv[1:]], stdout=log_file,
+                             stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        out, err = p.communicate(timeout=args.timeout)
+        p.wait(timeout=args.timeout)
+        cut_off = False
     except subprocess.TimeoutExpired:
         stop_process_tree(p, grace_s=10, known=descendants(p))
-        try:
-            out, err = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # a process that left the tree still holds the pipes: report without them
-            out, err = "", "(its output pipes stayed open after it was stopped)"
+        cut_off = True
+    out = log_path.read_text(errors="replace")
+    if cut_off:
         started = [ln for ln in out.splitlines() if ln.startswith("STARTED ")]
         return {**(json.loads(started[-1][8:]) if started else label),
                 "error": f"not finished in {args.timeout} s" + ("" if started else " (the engines not all up)"),
-                "log_tails": log_tails(err, n, args)}
+                "log_tails": log_tails(out, n, args)}
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if not lines:
-        return {**label, "error": f"exit {p.returncode}: {err.strip()[-600:]}"}
+        return {**label, "error": f"exit {p.returncode}: {out.strip()[-600:]} (all of it: {log_path})"}
     return json.loads(lines[-1][7:])
 
 
 def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One variant on n engines in a fresh process."""
-    return run_child(["--one", variant, "--one-engines", str(n)], {"variant": json.loads(variant), "engines": n},
-                     n, args)
+    """One variant on n engines in a fresh process (its log: `<out>.variant<i>_<n>_engines.log`, i its place in
+    --variants)."""
+    name = f"variant{args.variants.index(variant)}_{n}_engines"
+    return run_child(["--one", variant, "--one-engines", str(n)], name, {"variant": json.loads(variant),
+                     "engines": n}, n, args)
 
 
-def log_tails(err: str, n: int, args: argparse.Namespace) -> dict[str, list[str]]:
-    """Where a variant cut off by --timeout was: the last lines of its stderr (one engine's vLLM log) and of each
+def log_tails(out: str, n: int, args: argparse.Namespace) -> dict[str, list[str]]:
+    """Where a variant cut off by --timeout was: the last lines of its output (one engine's vLLM log) and of each
     pool engine's log (eagle3lib.extract.engine_pool writes <run>/cache/logs/gen_engine_<i>.log). Without them a
     4-engine round came back as a bare "not finished in 240 s" (2026-12-03): nothing said whether an engine hung or
     time ran out."""
     from eagle3lib.config import load_config
     from eagle3lib.rundir import cache_root
 
-    tails = {"stderr": err.strip().splitlines()[-3:]}
+    tails = {"output": out.strip().splitlines()[-3:]}
     if n > 1:
         logs = cache_root(load_config(args.config, args.param)) / "logs"
         for i in range(n):
@@ -477,7 +484,8 @@ def main() -> None:
             write()
     if eng is not None:
         log(f"plain vLLM: LLM({json.dumps(eng)})")
-        report["vllm_offline"] = run_child(["--one-vllm-offline", json.dumps(eng)], {"engine_args": eng}, 1, args)
+        report["vllm_offline"] = run_child(["--one-vllm-offline", json.dumps(eng)], "vllm_offline",
+                                           {"engine_args": eng}, 1, args)
         log(json.dumps(report["vllm_offline"]))
         write()
     log(f"wrote {args.out}")
