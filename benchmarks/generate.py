@@ -326,13 +326,13 @@ def run_child(argv: list[str], name: str, label: dict[str, Any], n: int, args: a
     plain vLLM's arm on 2026-12-06, when the arm's output was a pipe read at its end: nothing of it came back). Cut
     off, the arm is stopped with every process under it (vLLM's engine core, a process of its own under vLLM's
     defaults, outlived a killed arm)."""
-    from eagle3lib.processes import descendants, stop_process_tree
+    from eagle3lib.processes import descendants, log_tail, stop_process_tree
 
     out_path = Path(args.out)
     log_path = out_path.with_name(f"{out_path.stem}.{name}.log")
     with open(log_path, "w") as log_file:
         p = subprocess.Popen([sys.executable, __file__, *argv, *sys.argv[1:]], stdout=log_file,
-                             stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                             stderr=subprocess.STDOUT, cwd=REPO)
     try:
         p.wait(timeout=args.timeout)
         cut_off = False
@@ -347,7 +347,7 @@ def run_child(argv: list[str], name: str, label: dict[str, Any], n: int, args: a
                 "log_tails": log_tails(out, n, args)}
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if not lines:
-        return {**label, "error": f"exit {p.returncode}: {out.strip()[-600:]} (all of it: {log_path})"}
+        return {**label, "error": f"exit {p.returncode}; the end of {log_path}:\n{log_tail(log_path)}"}
     return json.loads(lines[-1][7:])
 
 
