@@ -31,17 +31,18 @@ requests in flight below a quarter of their peak for good) with its share of the
 
 Prompts: the bundled prompts with the chat template, repeated (numbered, so no two are the same text) to --prompts.
 
-`--vllm-offline` adds one more arm, after the variants: vLLM's own plain offline API on the same prompts, with nothing
-of the workbook between the prompts and the engine: `vllm.LLM(model=..., dtype=..., max_model_len=...)` (vLLM's
-defaults otherwise: its memory share, CUDA graphs, prefix caching, multiprocessing, detokenizing; `dtype` and
-`max_model_len` are the ones stage 02's generator uses for the config, `tokenizer` and `trust_remote_code` only where
-the config sets them) and `llm.generate(texts, SamplingParams(temperature=t, max_tokens=--max-new-tokens))`, one
-call per temperature like the variants, the prompts as text. It runs in a child process of its own like each
-variant (the same --timeout; its failure or timeout leaves the others' figures), its engine start timed apart from
-its generation; new tokens are counted as the workbook counts them (each reply's `token_ids`). A prompt that fills
-max_model_len by itself is left out (the workbook generates nothing for it; plain vLLM would refuse the whole
-call), counted as `dropped_too_long`. A flag, not always on: it is one more engine start and one more pass over the
-prompts, and the settings runs above do not need it.
+`--vllm-offline` adds one more arm, before the variants (the reference: a run cut off later still has it): vLLM's
+own plain offline API on the same prompts, with nothing of the workbook between the prompts and the engine:
+`vllm.LLM(model=..., dtype=..., max_model_len=...)` (vLLM's defaults otherwise: its memory share, CUDA graphs,
+prefix caching, multiprocessing, detokenizing; `dtype` and `max_model_len` are the ones stage 02's generator uses
+for the config, `tokenizer` and `trust_remote_code` only where the config sets them) and `llm.generate(texts,
+SamplingParams(temperature=t, max_tokens=--max-new-tokens))`, one call per temperature like the variants, the
+prompts as text. It runs in a child process of its own like each variant (the same --timeout; its failure or timeout
+leaves the others' figures), its engine start timed apart from its generation; new tokens are counted as the
+workbook counts them (each reply's `token_ids`). A prompt that fills max_model_len by itself is left out (the
+workbook generates nothing for it; plain vLLM would refuse the whole call), counted as `dropped_too_long`. A flag,
+not always on: it is one more engine start and one more pass over the prompts, and the settings runs above do not
+need it.
 
 With `--multi-turn` plain vLLM has no multi-turn scheduling: it answers the FIRST user turn of the same
 conversations (the distinct ones, each at the temperature self-distillation gives its conversation), so its figure
@@ -447,7 +448,7 @@ def main() -> None:
     ap.add_argument("--multi-turn", action="store_true", help="self-distill the config's own conversations (stage "
                     "02's scheduling) instead of one generate call over numbered prompts")
     ap.add_argument("--vllm-offline", action="store_true", help="also plain vLLM (vllm.LLM(...).generate, its "
-                    "defaults) on the same prompts, in a process of its own after the variants")
+                    "defaults) on the same prompts, in a process of its own before the variants")
     ap.add_argument("--first-turns", action="store_true", help="with --multi-turn: each variant also answers the "
                     "conversations' first turns in one generate call (what plain vLLM answers)")
     ap.add_argument("--out", required=True)
@@ -475,6 +476,12 @@ def main() -> None:
         summarize(report, args)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
+    if eng is not None:
+        log(f"plain vLLM: LLM({json.dumps(eng)})")
+        report["vllm_offline"] = run_child(["--one-vllm-offline", json.dumps(eng)], "vllm_offline",
+                                           {"engine_args": eng}, 1, args)
+        log(json.dumps(report["vllm_offline"]))
+        write()
     for v in args.variants:
         for n in args.engines:
             log(f"variant {v}, {n} engine(s)")
@@ -482,12 +489,6 @@ def main() -> None:
             report["variants"].append(res)
             log(json.dumps(res))
             write()
-    if eng is not None:
-        log(f"plain vLLM: LLM({json.dumps(eng)})")
-        report["vllm_offline"] = run_child(["--one-vllm-offline", json.dumps(eng)], "vllm_offline",
-                                           {"engine_args": eng}, 1, args)
-        log(json.dumps(report["vllm_offline"]))
-        write()
     log(f"wrote {args.out}")
     for key in ("tokens_per_s_by_engines", "vllm_offline_tokens_per_s", "ratio_vs_one_engine", "ratio_vs_vllm_offline"):
         if key in report:

@@ -41,10 +41,10 @@
 #                budget); the small data: base ~300 s, spool ~375, offline ~130, online ~170
 #   generate     GPU 0: benchmarks/generate.py with ENGINES (default "1 2 4") vLLM engines side by side, 420 s at most
 #                a variant -> $RES/generate_engines_h200.json. 1 engine ~130 s, 2 ~80 s, 4 started in turn > 240 s
-#   generate_multi  GPU 0: stage 02's self-distillation (continuous multi-turn scheduling) on $CONFIG's own
-#                conversations, fresh cache, the recipe's generator setting, on each of ENGINES engines, each also
-#                answering the conversations' first turns in one call; then plain vLLM (vllm.LLM(...).generate at
-#                its defaults) on those first turns: tokens/s by engines against plain vLLM in one run
+#   generate_multi  GPU 0: plain vLLM (vllm.LLM(...).generate at its defaults) on $CONFIG's conversations' first
+#                turns; then stage 02's self-distillation (continuous multi-turn scheduling) on those conversations,
+#                fresh cache, the recipe's generator setting, on each of ENGINES engines, each also answering the
+#                first turns in one call: tokens/s by engines against plain vLLM in one run
 #                -> $RES/generate_multiturn_<run>.json (each arm's output as it runs: beside it, .<arm>.log). The
 #                1.5B's 1x config, ENGINES="1 4", streamed (2026-12-06, benchmarks/results/generate_qwen15_h200.json):
 #                one engine start 114 s + 193 + 75 (the variant ~6 min); four engines 133 + 83 + 29 (~4.5 min); plain
@@ -296,9 +296,10 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       bench_generate 0
       ;;
     generate_multi)
-      # stage 02's self-distillation itself (continuous multi-turn scheduling) on $CONFIG's own conversations from a
-      # fresh cache, on each of ENGINES engines, then the same engines on the conversations' first turns in one call
-      # (--first-turns), then plain vLLM on those first turns (--vllm-offline: it has no multi-turn scheduling)
+      # plain vLLM on $CONFIG's conversations' first turns (--vllm-offline: it has no multi-turn scheduling; first,
+      # so a run cut off keeps the reference), then stage 02's self-distillation itself (continuous multi-turn
+      # scheduling) on those conversations from a fresh cache on each of ENGINES engines, then the same engines on
+      # the first turns in one call (--first-turns)
       # -> $RES/generate_multiturn_$RUN.json: tokens_per_s_by_engines, vllm_offline_tokens_per_s and the ratios
       # (benchmarks/generate.py --multi-turn; the recipe's replies: 384 new tokens, its generator setting: a variant
       # replaces the config's data.gen_vllm_args, so it is passed, as bench_generate passes it)
