@@ -60,7 +60,8 @@
 #                arms beside the workbook: 00-04 220 s, 05 ~420 s, 06 ~230 s (975 s with the target's conversion)
 #   serve_graphs GPU 0: stage 06's serve step on a random draft of $CONFIG's target (GRAPH_GRID: its k, default 2),
 #                with stage 06's CUDA graph sizes and with vLLM's defaults: step time by requests in flight
-#                -> $RES/serve_graphs_<run>.json (+ .png; benchmarks/serve_graphs.py)
+#                -> $RES/serve_graphs_<run>.json (+ .png; benchmarks/serve_graphs.py). The 1.5B's 1x config on one
+#                H100: 369 s (two arms, stage 06 173 + 179 s; 2026-12-06), ~11 minutes with the copies and install
 #   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE ($RUN at GEN_SCALE=1) online: $CONFIG's sources scaled by
 #                GEN_SCALE (default 4; 1 = the config's own, e.g. configs/qwen-coder-1.5b-x4-h200.yaml),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
