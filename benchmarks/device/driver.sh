@@ -50,7 +50,8 @@
 #                one engine start 114 s + 193 + 75 (the variant ~6 min); four engines 133 + 83 + 29 (~4.5 min); plain
 #                vLLM had not finished ~4 min after it began (73 + 83 s on 2026-12-05): with the copies, the install
 #                and the target's conversion (~7 min), more than 22 minutes: launch it with at least 1,500 device-s
-#                left. "1 2 4" does not fit a 30-minute GPU lease. On an 80 GB card four engines at this config's 0.85
+#                left; ENGINES="4 1" runs four engines before one, so a lease that ends in the last arm still leaves
+#                plain vLLM and four engines in one run. "1 2 4" does not fit a 30-minute GPU lease. On an 80 GB card four engines at this config's 0.85
 #                share run out of memory (2026-12-05, one H100: docs/engines.md, "What an engine uses beyond its
 #                share"): there, by the same arithmetic, ENGINES="1 2" (not run)
 #   peers        GPU 0: $RUN's stages 00-04 (replies from the target's committed cache where it exists), the
