@@ -288,7 +288,10 @@ def test_sigterm_or_ctrl_c_mid_epoch_stops_the_producer_and_empties_the_spool(tm
     def signal_when_stalled() -> None:
         if stalled.wait(120):
             seen.extend(_producers())
-            os.kill(os.getpid(), sig)
+            # to the main thread, where the stall sleeps: a signal to the process may be delivered to this thread,
+            # and then the main thread's sleep is not interrupted (Python runs the handler only when the main
+            # thread next runs bytecode: 120 s later, seen in a fresh-clone run of the suite)
+            signal.pthread_kill(threading.main_thread().ident, sig)
 
     thread = threading.Thread(target=signal_when_stalled, daemon=True)
     # Ctrl-C as a terminal's Python gets it (KeyboardInterrupt), however the suite was started: a suite launched in
