@@ -51,9 +51,9 @@
 #                vLLM had not finished ~4 min after it began (73 + 83 s on 2026-12-05): with the copies, the install
 #                and the target's conversion (~7 min), more than 22 minutes: launch it with at least 1,500 device-s
 #                left; ENGINES="4 1" runs four engines before one, so a lease that ends in the last arm still leaves
-#                plain vLLM and four engines in one run. "1 2 4" does not fit a 30-minute GPU lease. On an 80 GB card four engines at this config's 0.85
-#                share run out of memory (2026-12-05, one H100: docs/engines.md, "What an engine uses beyond its
-#                share"): there, by the same arithmetic, ENGINES="1 2" (not run)
+#                plain vLLM and four engines in one run. "1 2 4" does not fit a 30-minute GPU lease. On an 80 GB card
+#                four engines at this config's 0.85 share run out of memory (2026-12-05, one H100: docs/engines.md,
+#                "What an engine uses beyond its share"): there, by the same arithmetic, ENGINES="1 2" (not run)
 #   peers        GPU 0: $RUN's stages 00-04 (replies from the target's committed cache where it exists), the
 #                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli; also workbook_adamw,
 #                workbook_epochs_x2: benchmarks/peers.py) on its fork, then stage 06 of all of them side by side (k = 3,

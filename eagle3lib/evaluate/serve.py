@@ -156,8 +156,9 @@ def graph_sizes(num_speculative_tokens: int, largest: int = 512) -> list[int]:
     on 16, whose full graph sits at 18; such steps took 7.7-9.9 ms against 3.4-4.3 at the batch sizes around them
     (benchmarks/results/serve_steps_qwen15_x4_h200_2026-12-05.json). Sizes that are multiples of 1 + k already give
     every size both graphs: with them a random k = 2 draft's step took 2.45-2.65 ms at 4-16 requests, with vLLM's
-    defaults 6.3-6.7 ms at 4-13, in one run (benchmarks/results/serve_graphs_qwen15_h100_2026-12-06.json). (vLLM's V1 runner rounds the sizes itself, `adjust_cudagraph_sizes_for_spec_decode`;
-    V2 skips that: vllm/config/compilation.py.)"""
+    defaults 6.3-6.7 ms at 4-13, in one run (benchmarks/results/serve_graphs_qwen15_h100_2026-12-06.json). (vLLM's
+    V1 runner rounds the sizes itself, `adjust_cudagraph_sizes_for_spec_decode`; V2 skips that:
+    vllm/config/compilation.py.)"""
     step = 1 + num_speculative_tokens
     return sorted({r for s in vllm_graph_sizes(largest) if (r := -(-s // step) * step) <= largest}
                   | {largest // step * step})
