@@ -46,14 +46,15 @@
 #                fresh cache, the recipe's generator setting, on each of ENGINES engines, each also answering the
 #                first turns in one call: tokens/s by engines against plain vLLM in one run
 #                -> $RES/generate_multiturn_<run>.json (each arm's output as it runs: beside it, .<arm>.log). The
-#                1.5B's 1x config, ENGINES="1 4", streamed (2026-12-06, benchmarks/results/generate_qwen15_h200.json):
-#                one engine start 114 s + 193 + 75 (the variant ~6 min); four engines 133 + 83 + 29 (~4.5 min); plain
-#                vLLM had not finished ~4 min after it began (73 + 83 s on 2026-12-05): with the copies, the install
-#                and the target's conversion (~7 min), more than 22 minutes: launch it with at least 1,500 device-s
-#                left; ENGINES="4 1" runs four engines before one, so a lease that ends in the last arm still leaves
-#                plain vLLM and four engines in one run. "1 2 4" does not fit a 30-minute GPU lease. On an 80 GB card
-#                four engines at this config's 0.85 share run out of memory (2026-12-05, one H100: docs/engines.md,
-#                "What an engine uses beyond its share"): there, by the same arithmetic, ENGINES="1 2" (not run)
+#                1.5B's 1x config, ENGINES="4 1", streamed (2026-12-06, benchmarks/results/generate_qwen15_h200.json):
+#                plain vLLM start 83 s + 95 (~3 min); four engines 183 + 82 + 30 (~5 min); one engine 36 + 132 + 65
+#                (~4 min, the compile cache warm; first in an earlier run: 114 + 193 + 75); the plan 13 minutes after
+#                the target's 50 s conversion, ~21 minutes of device time with the copies and the install: launch
+#                it with at least 1,500 device-s left. ENGINES="4 1" runs four engines before one, so a lease that
+#                ends in the last arm still leaves plain vLLM and four engines in one run. "1 2 4" does not fit a
+#                30-minute GPU lease. On an 80 GB card four engines at this config's 0.85 share run out of memory
+#                (2026-12-05, one H100: docs/engines.md, "What an engine uses beyond its share"): there, by the same
+#                arithmetic, ENGINES="1 2" (not run)
 #   peers        GPU 0: $RUN's stages 00-04 (replies from the target's committed cache where it exists), the
 #                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli; also workbook_adamw,
 #                workbook_epochs_x2: benchmarks/peers.py) on its fork, then stage 06 of all of them side by side (k = 3,

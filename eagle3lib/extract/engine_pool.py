@@ -30,9 +30,10 @@ same memory share, need the same cache. Engine 0 also compiles alone into the ru
 gpu_memory_utilization and kv_cache_memory_bytes, the things that differ: vllm/config/cache.py). Where engine 0's size
 cannot be read, the others start one after another, each profiling alone, as they all did before (on one H200 with the
 1.5B target: 58 + 49 + 38 + 44 s for four, benchmarks/results/generate_qwen15_h200_2026-12-05.json; with engines 1-3
-at once: engine 0 61 s, then 51, 49 and 45 s together, benchmarks/results/generate_qwen15_h200.json). Each engine's
-own start is `start_each_s`, its KV cache `kv_cache_bytes`, both recorded in stage 02's manifest. All N processes
-begin at once, so their imports (~13 s of CPU each) overlap.
+at once: engine 0 61 s, then 51, 49 and 45 s together, benchmarks/results/generate_qwen15_h200_2026-12-06.json;
+engine 0 100 s, then 64 s each, benchmarks/results/generate_qwen15_h200.json). Each engine's own start is
+`start_each_s`, its KV cache `kv_cache_bytes`, both recorded in stage 02's manifest. All N processes begin at once, so
+their imports (~13 s of CPU each) overlap.
 
 The channel is one socket pair per child (its end inherited as `--fd`), pickled messages in multiprocessing's
 Connection framing; stdout and stderr stay vLLM's log, <run>/cache/logs/gen_engine_<i>.log:

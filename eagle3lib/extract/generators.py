@@ -202,7 +202,7 @@ class VllmGenerator:
     `LLM.generate` call per chunk, the batch drained to its longest reply before the next chunk could start: on the
     1.5B recipe's conversations (one H200, 2026-12-05, benchmarks/results/generate_qwen15_h200_2026-12-05.json) four
     engines self-distilled at 37.4k tok/s that way against 65.9k on the same conversations' first turns in one call
-    each; streamed, 51.4k (2026-12-06, benchmarks/results/generate_qwen15_h200.json)."""
+    each; streamed, 51.8k (2026-12-06, benchmarks/results/generate_qwen15_h200.json)."""
 
     name = "vllm"
 
