@@ -36,12 +36,14 @@ sys.path.insert(0, str(REPO))
 
 
 def point(run_dir: Path) -> dict:
-    """One fork's figures from its draft/result.json (and its config's train_fraction)."""
+    """One fork's figures from its EAGLE-3 draft's result (draft/eagle3/result.json) and its config's
+    train_fraction."""
     import yaml
 
     from eagle3lib.evaluate.report import stage_seconds
+    from eagle3lib.train.result import read_results
 
-    res = json.loads((run_dir / "draft" / "result.json").read_text())
+    res = read_results(run_dir)["eagle3"]
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     epochs = res.get("epochs_done") or 1
     return {"run": run_dir.name, "train_fraction": (cfg.get("train") or {}).get("train_fraction", 1.0),

@@ -45,8 +45,10 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 def arm(run: Path) -> dict[str, Any]:
-    """One fork's stage 05 figures (draft/result.json) and the states its stage 02 left on disk for it."""
-    res = _json(run / "draft" / "result.json")
+    """One fork's stage 05 figures (its EAGLE-3 draft's result) and the states its stage 02 left on disk for it."""
+    from eagle3lib.train.result import read_results
+
+    res = read_results(run).get("eagle3", {})
     m02 = _json(run / "manifests" / "02_extract_hidden_states.json").get("metrics", {})
     out = {k: res.get(k) for k in ("hidden_states", "epochs_done", "train_tokens", "train_seconds", "tokens_per_s",
                                    "val_eal", "val_eal_untrained", "phase_seconds", "online_target", "spool")
@@ -60,7 +62,7 @@ def arm(run: Path) -> dict[str, Any]:
 def step_speeds(run: Path) -> dict[str, Any]:
     """The first step's seconds and the tokens/s of the steps after it (each step's wall time, as curves.json has it:
     tokens / tokens_per_s, the data fetch included)."""
-    steps = [s for s in _json(run / "draft" / "curves.json").get("steps", []) if s.get("tokens_per_s")]
+    steps = [s for s in _json(run / "draft" / "eagle3" / "curves.json").get("steps", []) if s.get("tokens_per_s")]
     if len(steps) < 2:
         return {}
     secs = [s["tokens"] / s["tokens_per_s"] for s in steps]
@@ -112,7 +114,7 @@ def draw(base: Path, result: dict[str, Any], path: Path) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
     for name in result["arms"]:
-        steps = _json(base.with_name(f"{base.name}-{name}") / "draft" / "curves.json").get("steps", [])
+        steps = _json(base.with_name(f"{base.name}-{name}") / "draft" / "eagle3" / "curves.json").get("steps", [])
         if steps:
             ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], lw=0.8, alpha=0.8,
                     label=f"{name} (validation EAL {result['arms'][name]['val_eal']:.3f})")

@@ -137,7 +137,7 @@ def register_draft(rd: Any, inp: Any, save_path: Path, records: dict[str, Any], 
                    started: float, epochs: int) -> Path:
     """The peer's last checkpoint as the fork's stage 05 output (what stage 06 reads), packaged as the workbook
     packages its own (`finalize_checkpoint`: the verifier named by the target's folder, the aux-layer count pinned
-    for vLLM), with draft/result.json and the stage's manifest. The manifest's metrics are the peer's own."""
+    for vLLM), with draft/eagle3/result.json and the stage's manifest. The manifest's metrics are the peer's own."""
     from eagle3lib import atomic
     from eagle3lib.stages import get_stage
     from eagle3lib.train.checkpoint import finalize_checkpoint
@@ -151,7 +151,7 @@ def register_draft(rd: Any, inp: Any, save_path: Path, records: dict[str, Any], 
     ttt = rd.cfg.train.ttt_steps
     vals = [r["val"] for r in records["records"] if "val" in r]
     steps = [r for r in records["records"] if "train" in r]
-    val = curve_point(vals[-1], ttt, "_epoch") if vals else {}
+    val = curve_point(vals[-1], "eagle3", ttt, "_epoch") if vals else {}
     from datasets import load_from_disk
 
     lengths = list(load_from_disk(str(inp.dataset_dir)).with_format(None)["seq_len"])
@@ -163,9 +163,11 @@ def register_draft(rd: Any, inp: Any, save_path: Path, records: dict[str, Any], 
               # workbook's loader counts)
               "train_tokens": epochs * sum(n - 1 for n in lengths[:inp.train_rows]), "train_rows": inp.train_rows}
     result["tokens_per_s"] = result["train_tokens"] / records["seconds"] if records["seconds"] else None
-    atomic.write_json(rd.path("draft", "result.json"), result)
-    return rd.write_manifest(get_stage("05"), started=started, outputs={"checkpoint": final},
-                             metrics={k: v for k, v in result.items() if k not in ("checkpoint", "command")})
+    atomic.write_json(rd.path("draft", "eagle3", "result.json"), result)
+    atomic.write_json(rd.path("draft", "result.json"), {"eagle3": result})
+    return rd.write_manifest(get_stage("05"), started=started, outputs={"checkpoint_eagle3": final},
+                             metrics={"algorithms": ["eagle3"], "eagle3": {k: v for k, v in result.items()
+                                                                            if k not in ("checkpoint", "command")}})
 
 
 def fork_config(fork: Path) -> Path:
@@ -201,15 +203,15 @@ def train_cli_arm(dst: Path) -> Path:
     inp = inputs_from_run(rd)
     res = resolve_settings(cfg.train)
     fp8 = bool(shards.spec_from_metrics(rd.read_manifest("02")["metrics"]).fp8)
-    save_path = rd.path("draft", "checkpoints")
+    save_path = rd.path("draft", "eagle3", "checkpoints")
     save_path.mkdir(parents=True, exist_ok=True)
-    args = cli_arguments(inp, res, rd.output("02", "token_freq"), save_path, rd.path("draft", "logs"),
+    args = cli_arguments(inp, res, rd.output("02", "token_freq"), save_path, rd.path("draft", "eagle3", "logs"),
                          cfg.train.epochs, fp8, cfg.train.packing_length)
-    records = rd.path("draft", "speculators_records.json")
+    records = rd.path("draft", "eagle3", "speculators_records.json")
     started = time.time()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(Path(__file__).resolve()), "speculators-train", "--records", str(records), *args]
-    with open(rd.path("draft", "speculators_train.log"), "w") as log:
+    with open(rd.path("draft", "eagle3", "speculators_train.log"), "w") as log:
         subprocess.run(command, cwd=REPO, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     register_draft(rd, inp, save_path, json.loads(records.read_text()), ["speculators", "train", *args], started,
                    cfg.train.epochs)
@@ -231,12 +233,14 @@ def arm_summary(run_dir: Path) -> dict[str, Any]:
     from eagle3lib.evaluate.report import read_manifests
 
     if "05" not in read_manifests(run_dir):
-        log = run_dir / "draft" / "speculators_train.log"
+        log = run_dir / "draft" / "eagle3" / "speculators_train.log"
         last = log.read_text().strip().splitlines()[-1][:300] if log.is_file() and log.read_text().strip() else None
         return {"run": run_dir.name, "failed": "no draft: stage 05 did not finish" + (
             f" (last line of {log.name}: {last})" if last else "")}
     summary = run_summary(run_dir)
-    result = json.loads((run_dir / "draft" / "result.json").read_text())
+    from eagle3lib.train.result import read_results
+
+    result = read_results(run_dir)["eagle3"]
     taus = summary["tau_by_benchmark"]
     return {"run": run_dir.name, "trained_by": result.get("trained_by", "eagle3lib (speculators' Trainer)"),
             "tau_heldout": taus.get("heldout"), "tau_mt_bench": taus.get("mt_bench"),
@@ -298,9 +302,10 @@ def report(base: Path, arms: list[str], out: Path, note: str) -> dict[str, Any]:
 
 def training_curve(run_dir: Path) -> dict[str, list[float]] | None:
     """An arm's training curve: per optimizer step, the expected acceptance length of the batch (1 + the sum of its
-    full acceptance per TTT step) and the learning rate (the AdamW group's); from the workbook's draft/curves.json
-    or from the records speculators' CLI logged (draft/speculators_records.json)."""
-    curves, records = run_dir / "draft" / "curves.json", run_dir / "draft" / "speculators_records.json"
+    full acceptance per TTT step) and the learning rate (the AdamW group's); from the workbook's
+    draft/eagle3/curves.json or from the records speculators' CLI logged (draft/eagle3/speculators_records.json)."""
+    own = run_dir / "draft" / "eagle3"
+    curves, records = own / "curves.json", own / "speculators_records.json"
     if curves.is_file():
         steps = json.loads(curves.read_text())["steps"]
         rows = [(s["step"], s["eal"], s["lr"]) for s in steps]

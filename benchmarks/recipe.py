@@ -3,12 +3,12 @@
     python benchmarks/recipe.py --run-dir outputs/qwen-coder-1.5b-h200 \
         --out benchmarks/results/recipe_qwen15_h200_<date>.json --note "date, commit, machine, command"
 
-From the run folder alone (manifests, draft/result.json, eval/results.json), so it reads a run brought back from the
+From the run folder alone (manifests, draft/eagle3/result.json, eval/results.json), so it reads a run brought back from the
 GPU host as well as one made here:
   train_tokens, train_rows, optimizer_steps, epochs, optimizers, val_eal, val_tau_walk, train_seconds   (stage 05)
   tau_by_benchmark      {"heldout": ..., "mt_bench": ..., ...}: the draft's tau on the held-out prompts and on each
                         evaluate.benchmarks set, from the server's counters where the serve step ran (else the
-                        embedded decoder, else vLLM in-process: `eagle3lib.evaluate.report.COMPARE_LIVE`), and which
+                        embedded decoder, else vLLM in-process: `eagle3lib.evaluate.compare.COMPARE_LIVE`), and which
                         row it is (`tau_row`); `tau_heldout_by` the same row's tau per held-out source (or
                         category: stage 06's `held_out_groups`)
   speedup_by_concurrency  output tokens/s with the draft / without it at each level, at that level's best setting of
@@ -38,12 +38,15 @@ GPU_STAGES = ("02", "05", "06")
 
 def run_summary(run_dir: Path) -> dict[str, Any]:
     """The figures above for the run folder `run_dir` (a stage that did not run leaves its figures None)."""
-    from eagle3lib.evaluate.report import COMPARE_LIVE, read_manifests
+    from eagle3lib.evaluate.compare import COMPARE_LIVE
+    from eagle3lib.evaluate.report import read_manifests
 
     run_dir = Path(run_dir)
     ms = read_manifests(run_dir)
     m02, m05 = (ms.get(s, {}).get("metrics", {}) for s in ("02", "05"))
-    draft = _read_json(run_dir / "draft" / "result.json")
+    from eagle3lib.train.result import read_results
+
+    draft = read_results(run_dir).get("eagle3", {})
     results = _read_json(run_dir / "eval" / "results.json")
     row = next((m for m in COMPARE_LIVE if (results.get("by_method") or {}).get(m)), None)
     taus: dict[str, float | None] = {"heldout": ((results.get("by_method") or {}).get(row) or {}).get("tau")}
@@ -55,7 +58,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     return {"run": run_dir.name, "target": (ms.get("02", {}).get("outputs") or {}).get("model_dir"),
             "train_tokens": draft.get("train_tokens"), "train_rows": draft.get("train_rows"),
             "optimizer_steps": draft.get("global_step"), "epochs": draft.get("epochs_done"),
-            "optimizers": draft.get("optimizers"), "val_eal": draft.get("val_eal") or m05.get("val_eal"),
+            "optimizers": draft.get("optimizers"), "val_eal": draft.get("val_eal"),
             "val_tau_walk": draft.get("val_tau_walk"),
             "train_seconds": draft.get("train_seconds"),
             "tau_by_benchmark": taus if row else {}, "tau_row": row,

@@ -140,8 +140,8 @@ def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=REPO)
         wall = time.perf_counter() - t
-        result = json.loads((dst / "draft" / "result.json").read_text())
-        curves = json.loads((dst / "draft" / "curves.json").read_text())
+        result = json.loads((dst / "draft" / "eagle3" / "result.json").read_text())
+        curves = json.loads((dst / "draft" / "eagle3" / "curves.json").read_text())
         steps = curves["steps"]
         skip = min(20, len(steps) // 5)  # compile/warm-up steps
         tok = sum(s["tokens"] for s in steps[skip:])

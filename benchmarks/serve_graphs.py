@@ -86,7 +86,8 @@ def make_run(config: Path, root: Path, name: str, overrides: list[str], draft: P
         "dataset": rd.path("dataset"), "eval_prompts": rd.path("data", "eval.jsonl"), "model_dir": str(target_dir)},
         metrics={"layer_ids": layer_ids, "train_rows": 0, "val_rows": 0, "benchmarks": {}})
     rd.write_manifest(get_stage("04"), started=time.time(), outputs={"verifier_dir": rd.path("verifier")}, metrics={})
-    rd.write_manifest(get_stage("05"), started=time.time(), outputs={"checkpoint": str(draft)}, metrics={})
+    rd.write_manifest(get_stage("05"), started=time.time(), outputs={"checkpoint_eagle3": str(draft)},
+                      metrics={"algorithms": ["eagle3"]})
     path = root / f"{name}.yaml"
     path.write_text(cfg.to_yaml())
     return path, draft

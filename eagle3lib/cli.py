@@ -50,7 +50,7 @@ def _cmd_stages(_: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from eagle3lib.evaluate.report import compare_runs
+    from eagle3lib.evaluate.compare import compare_runs
 
     missing = [str(r) for r in args.runs if not (r / "manifests").is_dir()]
     if missing:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3lib import embedded
+from eagle3lib.drafters import ALGORITHMS, Algorithm
 from eagle3lib.errors import WorkbookError
 
 EMBEDDED_TARGET = "embedded:smollm2"  # the default target; every embedded name is in eagle3lib.embedded.TARGETS
@@ -269,13 +270,34 @@ class TrainSection(Section):
     its `speculators train` flags where the config allows), passed through its TrainConfig, so a default left unset
     here is speculators' own derived one."""
 
-    num_layers: int = Field(1, description="Draft decoder layers.")
-    ttt_steps: int = Field(3, description="Test-time-training steps (draft tokens trained per position).")
-    ttt_step_loss_decay: float = Field(1.0, description="Loss weight factor per TTT step (1.0 = every step weighs "
-                                       "the same).")
-    loss: Literal["kl_div", "rkl", "jsd", "ce", "tv"] = Field(
-        "kl_div", description="Draft loss against the verifier's distribution (speculators' loss_fn: forward KL, "
-        "reverse KL, Jensen-Shannon, cross-entropy on the verifier's argmax, total variation).")
+    algorithms: list[Algorithm] = Field(
+        default_factory=lambda: ["eagle3"], validation_alias=AliasChoices("algorithms", "algorithm"),
+        description="The drafters stage 05 trains from the same hidden states, one after another, each with "
+        "speculators' own model class, data path and defaults (eagle3lib/drafters.py): eagle3 (EAGLE-3, k draft "
+        "forwards a step), peagle (P-EAGLE: all k tokens in one forward, served with parallel_drafting), dflash "
+        "(DFlash: a block of block_size - 1 tokens in one forward). Stage 06's serve step measures each one's server "
+        "and the report card's verdict picks among them per concurrency level. `train.algorithm: dflash` names one. "
+        "The offline, embedded and vllm methods of stage 06 follow the EAGLE-3 draft only "
+        "(docs/engines.md#drafters).")
+    num_layers: int | None = Field(None, ge=1, description="Draft decoder layers (None = speculators' default: 1 for "
+                                   "eagle3 and peagle, 5 for dflash).")
+    ttt_steps: int = Field(3, description="eagle3: test-time-training steps (draft tokens trained per position).")
+    ttt_step_loss_decay: float = Field(1.0, description="eagle3: loss weight factor per TTT step (1.0 = every step "
+                                       "weighs the same).")
+    num_depths: int = Field(8, ge=2, description="peagle: positions trained in parallel after each anchor "
+                            "(speculators' default 8): the most draft tokens its server may propose.")
+    block_size: int | None = Field(None, ge=2, description="dflash: slots of one draft block, the anchor first "
+                                   "(None = speculators' default, 16): block_size - 1 draft tokens per forward.")
+    max_anchors: int = Field(512, ge=1, description="peagle, dflash: anchor positions sampled per packed sequence "
+                             "(speculators' default).")
+    mask_token_id: int | None = Field(
+        None, description="peagle, dflash: the token their mask positions carry (None = speculators' own rule: the "
+        "tokenizer's mask token, else a new one in a spare embedding row, else pad/eos: "
+        "speculators.train.utils.resolve_mask_token_id).")
+    loss: Literal["kl_div", "rkl", "jsd", "ce", "tv"] | None = Field(
+        None, description="Draft loss against the verifier's distribution (speculators' loss_fn: forward KL, "
+        "reverse KL, Jensen-Shannon, cross-entropy on the verifier's argmax, total variation). None = speculators' "
+        "default per drafter: kl_div, ce for dflash (its D-PACE position weighting needs ce).")
     loss_implementation: Literal["auto", "eager", "fused"] = Field(
         "auto", description="auto = fused on GPU when it works there, eager otherwise."
     )
@@ -361,6 +383,19 @@ class TrainSection(Section):
         "`torchrun --nproc-per-node N -m eagle3lib.train` (speculators' DDP)."
     )
 
+    @field_validator("algorithms", mode="before")
+    @classmethod
+    def _one_name_or_several(cls, v: Any) -> Any:
+        """`train.algorithm: dflash` (one name) or `train.algorithms: [eagle3, dflash]`."""
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("algorithms")
+    @classmethod
+    def _distinct_algorithms(cls, v: list[str]) -> list[str]:
+        if not v or len(set(v)) < len(v):
+            raise ValueError("needs one or more distinct drafters, e.g. [eagle3, dflash]")
+        return v
+
     @field_validator("spool_bytes", mode="before")
     @classmethod
     def _bytes_written_as_a_float(cls, v: Any) -> Any:
@@ -422,21 +457,24 @@ class EvaluateSection(Section):
         "server fits beside the others: a small target. On the CPU each server's KV cache stays "
         "VLLM_CPU_KVCACHE_SPACE.")
     serve_grid: list[dict[str, Any]] = Field(
-        default_factory=list, description="serve method: the speculation settings the draft is served with, one "
+        default_factory=list, description="serve method: the speculation settings each draft is served with, one "
         "`vllm serve` each (the target alone is measured once for all of them), e.g. [{num_speculative_tokens: 1}, "
-        "{num_speculative_tokens: 3}, {num_speculative_tokens: 3, async_scheduling: false}]. Per concurrency level "
-        "the stage recommends the setting with the most output tokens/s, or no draft where none beats the target "
-        "alone: which k pays depends on the load and the target's step time, so it is measured, not guessed. Each "
-        "entry holds `--speculative-config` keys over the draft's own (method eagle3, its checkpoint) that vLLM "
-        "0.26 and 0.32 both accept for an EAGLE-3 draft: num_speculative_tokens (k; default "
-        "evaluate.num_draft_tokens), disable_padded_drafter_batch (turns async scheduling off), enforce_eager (the "
-        "drafter without CUDA graphs), draft_tensor_parallel_size and use_local_argmax_reduction (both only with "
-        "--tensor-parallel-size > 1 in serve_args); and async_scheduling (true/false: `--async-scheduling` / "
-        "`--no-async-scheduling`; vLLM turns it on for EAGLE on a GPU by default, and off on the CPU whatever the "
-        "flag). Not offered: parallel_drafting (needs a P-EAGLE-trained draft), num_speculative_tokens_per_batch_size "
-        "(dynamic k, with known problems under concurrency: the per-level recommendation picks k per load instead), "
-        "sampling and rejection methods (the sweep is greedy). [] = one setting: evaluate.num_draft_tokens. The "
-        "first setting's server also answers evaluate.benchmarks and gives the 'vllm serve' τ row.")
+        "{num_speculative_tokens: 3}, {num_speculative_tokens: 3, async_scheduling: false}, {algorithm: dflash, "
+        "num_speculative_tokens: 7}]. Per concurrency level the stage recommends the drafter and setting with the "
+        "most output tokens/s, or no draft where none beats the target alone: which k pays depends on the load and "
+        "the target's step time, so it is measured, not guessed. An entry with `algorithm` (a drafter of "
+        "train.algorithms) applies to that drafter only, one without it to every drafter; a drafter no entry "
+        "applies to is served at its default k (evaluate.num_draft_tokens; DFlash: its whole block, "
+        "train.block_size - 1). Each entry holds `--speculative-config` keys over the drafter's own (its method and "
+        "checkpoint: eagle3lib.drafters) that vLLM 0.26 and 0.32 both accept: num_speculative_tokens (k; at most "
+        "the tokens P-EAGLE and DFlash were trained for), disable_padded_drafter_batch (turns async scheduling off), "
+        "enforce_eager (the drafter without CUDA graphs), draft_tensor_parallel_size and use_local_argmax_reduction "
+        "(both only with --tensor-parallel-size > 1 in serve_args); and async_scheduling (true/false: "
+        "`--async-scheduling` / `--no-async-scheduling`; vLLM turns it on for EAGLE on a GPU by default, and off on "
+        "the CPU whatever the flag). Not offered: parallel_drafting (P-EAGLE's own, set with it), "
+        "num_speculative_tokens_per_batch_size (dynamic k, with known problems under concurrency: the per-level "
+        "recommendation picks k per load instead), sampling and rejection methods (the sweep is greedy). Each "
+        "drafter's first setting's server also answers evaluate.benchmarks and gives its 'vllm serve' τ row.")
     data_curve: str | None = Field(
         None, description="serve method: a data-volume curve (benchmarks/data_curve.py's JSON; relative paths from "
         "the repo root) the report card's verdict reads to say what one more doubling of the training data would "
@@ -446,13 +484,18 @@ class EvaluateSection(Section):
     @field_validator("serve_grid")
     @classmethod
     def _known_serve_settings(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        types = {**dict.fromkeys(SERVE_GRID_BOOLS, bool), **dict.fromkeys(SERVE_GRID_INTS, int)}
+        types = {**dict.fromkeys(SERVE_GRID_BOOLS, bool), **dict.fromkeys(SERVE_GRID_INTS, int), "algorithm": str}
         for entry in v:
             unknown = sorted(set(entry) - set(types))
             if unknown:
                 raise ValueError(f"evaluate.serve_grid: {', '.join(unknown)} is not offered (an entry takes "
-                                 f"{', '.join(types)}: keys vLLM 0.26 and 0.32 both accept for an EAGLE-3 draft)")
+                                 f"{', '.join(types)}: keys vLLM 0.26 and 0.32 both accept for these drafters)")
+            if "algorithm" in entry and entry["algorithm"] not in ALGORITHMS:
+                raise ValueError(f"evaluate.serve_grid: algorithm {entry['algorithm']!r} is not a drafter "
+                                 f"({', '.join(ALGORITHMS)})")
             for key, value in entry.items():
+                if key == "algorithm":
+                    continue
                 want = "true or false" if types[key] is bool else "an integer >= 1"
                 if not isinstance(value, types[key]) or (types[key] is int and (isinstance(value, bool) or value < 1)):
                     raise ValueError(f"evaluate.serve_grid: {key} must be {want} (got {value!r} in {entry})")
@@ -463,18 +506,21 @@ class EvaluateSection(Section):
 
     @model_validator(mode="after")
     def _distinct_serve_settings(self) -> EvaluateSection:
-        settings = self.serve_settings()
-        for i, s in enumerate(settings):
-            if s in settings[:i]:
-                raise ValueError(f"evaluate.serve_grid lists the setting {s} twice (an entry without "
-                                 f"num_speculative_tokens has k = evaluate.num_draft_tokens = {self.num_draft_tokens})")
+        for algorithm in ALGORITHMS:
+            settings = self.serve_settings(algorithm, self.num_draft_tokens)
+            for i, s in enumerate(settings):
+                if s in settings[:i]:
+                    raise ValueError(f"evaluate.serve_grid lists the setting {s} twice for {algorithm} (an entry "
+                                     "without num_speculative_tokens has the drafter's default k)")
         return self
 
-    def serve_settings(self) -> list[dict[str, Any]]:
-        """evaluate.serve_grid as the serve step runs it: every entry with its k (evaluate.num_draft_tokens where it
-        gives none); an empty grid is one setting, evaluate.num_draft_tokens."""
-        k = {"num_speculative_tokens": self.num_draft_tokens}
-        return [{**k, **entry} for entry in self.serve_grid] or [k]
+    def serve_settings(self, algorithm: str, default_k: int) -> list[dict[str, Any]]:
+        """evaluate.serve_grid as the serve step runs it for one drafter: the entries for it (those naming it and
+        those naming none), each with its k (`default_k` where it gives none), without the `algorithm` key; no such
+        entry is one setting, `default_k`."""
+        k = {"num_speculative_tokens": default_k}
+        return [{**k, **{key: v for key, v in entry.items() if key != "algorithm"}}
+                for entry in self.serve_grid if entry.get("algorithm", algorithm) == algorithm] or [k]
 
     @field_validator("serve_concurrency")
     @classmethod

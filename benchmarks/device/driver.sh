@@ -108,7 +108,8 @@ pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*
   --exclude='cache' --exclude='.cache' --exclude='checkpoints' --exclude='*.npy' --exclude='*.jsonl' \
   --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* outputs/$RUN-x* \
   outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
-  outputs/$SRUN-spool outputs/$RUN-speculators-cli* outputs/$RUN-workbook-* outputs/$RUN-graphs-* 2>/dev/null; }
+  outputs/$SRUN-spool outputs/$RUN-speculators-cli* outputs/$RUN-workbook-* outputs/$RUN-graphs-* outputs/$RUN-eagle3 \
+  outputs/$RUN-peagle outputs/$RUN-dflash outputs/$RUN-drafters 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -185,11 +186,12 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q DRAFTERS=%q ALG_EPOCHS=%q ALG_GRID=%q ALG_BENCH_PROMPTS=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli}" \
-    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${GRAPH_GRID:-2}" > "$RES/plan.env"
+    "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${GRAPH_GRID:-2}" "${DRAFTERS:-eagle3 peagle dflash}" \
+    "${ALG_EPOCHS:-1}" "${ALG_GRID:-}" "${ALG_BENCH_PROMPTS:-40}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
   cp benchmarks/device/driver.sh "$RES/driver.sh"
@@ -407,6 +409,32 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       python3 benchmarks/peers.py report --run-dir "outputs/$RUN" --arms $arms --out "$RES/peers_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers PEER_ARMS='$arms', $CONFIG ${pg[*]} ${pe[*]}; training side by side, stage 06 side by side" \
         > "$RES/peers_report.log" 2>&1
+      ;;
+    algorithms)
+      # EAGLE-3, P-EAGLE and DFlash from the same states (benchmarks/algorithms.py): stages 00-04 of $RUN (its
+      # committed replies), each drafter of DRAFTERS trained on a fork of its own side by side on GPU 0 (ALG_EPOCHS,
+      # default 1), then $RUN-drafters (`algorithms.py join`: every drafter's finished checkpoints) through stages 05
+      # (each resumed: nothing left to train) and 06 with every server alone, one after another (ALG_GRID: the
+      # drafters' serve settings; ALG_BENCH_PROMPTS questions per benchmark) -> $RES/algorithms_$RUN.json
+      drafters=${DRAFTERS:-eagle3 peagle dflash}
+      ta=(-p "train.epochs=${ALG_EPOCHS:-1}")
+      ea=(-p "evaluate.serve_side_by_side_kv_gib=null" -p "evaluate.benchmark_prompts=${ALG_BENCH_PROMPTS:-40}"
+          -p "evaluate.serve_grid=${ALG_GRID:-[{algorithm: eagle3, num_speculative_tokens: 3}, {algorithm: peagle, num_speculative_tokens: 5}, {algorithm: dflash}]}")
+      unpack_replies "$RUN"
+      has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 alg_base --run "$RUN" --stages 00-04; }
+      step "stage 05 of each of $drafters on a fork of its own (side by side on GPU 0)"
+      for a in $drafters; do
+        fork "$RUN" "$RUN-$a"; run_on 0 "alg_train_$a" --run "$RUN-$a" --stages 05 -p "train.algorithms=[$a]" "${ta[@]}" &
+      done
+      wait
+      step "stages 05 (resumed) and 06 of $RUN-drafters: each server alone"
+      # shellcheck disable=SC2086 - drafters is a list of names
+      joined=$(python3 benchmarks/algorithms.py join --base "outputs/$RUN" --drafters $drafters 2> "$RES/alg_join.log")
+      echo "joined: $joined" >> "$RES/alg_join.log"
+      run_on 0 alg_eval --run "$RUN-drafters" --stages 05-06 -p "train.algorithms=$joined" "${ta[@]}" "${ea[@]}"
+      python3 benchmarks/algorithms.py report --run-dir "outputs/$RUN-drafters" --out "$RES/algorithms_$RUN.json" \
+        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=algorithms DRAFTERS='$drafters', $CONFIG ${ta[*]} ${ea[*]}; training side by side on one GPU, each server alone" \
+        > "$RES/alg_report.log" 2>&1
       ;;
     fp8_ab)
       # FP8 vs bf16 shards on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A

@@ -12,7 +12,7 @@ from typing import Any
 
 from eagle3lib import plots
 from eagle3lib.evaluate import serve_report
-from eagle3lib.evaluate.keys import BENCH_PATH, EMBEDDED, HELD_OUT, HELDOUT_PATH, LIVE, NGRAM_SERVE, SERVE
+from eagle3lib.evaluate.keys import BENCH_PATH, EMBEDDED, HELD_OUT, HELDOUT_PATH, LIVE, NGRAM_SERVE, serve_row
 from eagle3lib.rundir import StageRun
 
 
@@ -91,14 +91,15 @@ def plot_tau_by_benchmark(results: dict[str, Any], path: Path):
     """τ of the held-out split and of each benchmark (and each benchmark category, where it has more than one):
     embedded, the server, offline. The figure widens with the number of bars."""
     by = results["by_method"]
-    sets = [(HELD_OUT, {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), NGRAM_SERVE: by.get(NGRAM_SERVE),
-                        BENCH_PATH: by.get(HELDOUT_PATH)})]
+    served = [serve_row(a) for a in results.get("drafts") or {"eagle3": None}]  # each drafter's server
+    sets = [(HELD_OUT, {EMBEDDED: by.get(EMBEDDED), **{r: by.get(r) for r in served},
+                        NGRAM_SERVE: by.get(NGRAM_SERVE), BENCH_PATH: by.get(HELDOUT_PATH)})]
     for name, b in results["tau_by_benchmark"].items():
         sets.append((name, b["by_method"]))
         cats = b.get("by_category", {})
         sets += [(f"{name}: {cat}", g["by_method"]) for cat, g in cats.items()] if len(cats) > 1 else []
     fig, ax = plots.figure(figsize=(max(7.0, 0.32 * len(sets)), 3.5))
-    methods = [m for m in (EMBEDDED, SERVE, NGRAM_SERVE, BENCH_PATH) if any(s.get(m) for _, s in sets)]
+    methods = [m for m in (EMBEDDED, *served, NGRAM_SERVE, BENCH_PATH) if any(s.get(m) for _, s in sets)]
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(sets))]

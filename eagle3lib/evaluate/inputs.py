@@ -21,7 +21,8 @@ class EvalInputs:
     """What stage 06 reads, all from earlier manifests."""
 
     model_dir: Path
-    checkpoint: Path
+    # every drafter stage 05 trained, in train.algorithms' order: {algorithm: its final checkpoint}
+    drafts: dict[str, Path]
     dataset_dir: Path
     eval_prompts: Path
     verifier_dir: Path  # stage 04's verifier/ folder: the target's final norm and lm_head under fixed names
@@ -37,17 +38,25 @@ class EvalInputs:
     benchmark_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     shard_rows: list[int] | None = None  # train.hidden_states online or spool: the only rows with a shard (None = all)
 
+    @property
+    def checkpoint(self) -> Path | None:
+        """The EAGLE-3 draft, the one the workbook's own decoder and its in-process vLLM job follow (None: stage 05
+        trained no EAGLE-3 draft; eagle3lib.drafters.EAGLE3_ONLY_METHODS)."""
+        return self.drafts.get("eagle3")
+
 
 def inputs_from_run(stage: StageRun) -> EvalInputs:
     rd = stage.rd
     m02 = rd.read_manifest("02")
     m05 = rd.read_manifest("05")
-    if "checkpoint" not in m05["outputs"]:
-        raise WorkbookError("stage 05 recorded no 'checkpoint'", "rerun stage 05 (it writes the final checkpoint)")
-    ckpt = Path(m05["outputs"]["checkpoint"])
-    ckpt = ckpt if ckpt.is_absolute() else rd.root / ckpt
+    algorithms = m05.get("metrics", {}).get("algorithms") or []
+    missing = [a for a in algorithms if f"checkpoint_{a}" not in m05["outputs"]]
+    if not algorithms or missing:
+        raise WorkbookError(f"stage 05 recorded no checkpoint for {', '.join(missing) or 'any drafter'}",
+                            "rerun stage 05 (it writes each drafter's final checkpoint)")
+    drafts = {a: rd.root / m05["outputs"][f"checkpoint_{a}"] for a in algorithms}  # absolute stays absolute
     model_dir = Path(m02["outputs"]["model_dir"])
-    return EvalInputs(model_dir=model_dir if model_dir.is_absolute() else rd.root / model_dir, checkpoint=ckpt,
+    return EvalInputs(model_dir=model_dir if model_dir.is_absolute() else rd.root / model_dir, drafts=drafts,
                       dataset_dir=rd.output("02", "dataset"), eval_prompts=rd.output("02", "eval_prompts"),
                       verifier_dir=rd.output("04", "verifier_dir"),
                       layer_ids=list(m02["metrics"]["layer_ids"]), train_rows=int(m02["metrics"]["train_rows"]),

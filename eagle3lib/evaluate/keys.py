@@ -25,3 +25,9 @@ BENCH_ALL = "offline (all starts)"
 HELD_OUT = "held-out split"  # the report's row for stage 02's held-out prompts beside the benchmarks
 # results["serve"]["recommended_settings"]: a concurrency level where no serving setting beats the target alone
 NO_DRAFT = "no draft"
+
+
+def serve_row(algorithm: str) -> str:
+    """The serve method's row of a drafter (its first setting's server): SERVE for EAGLE-3, SERVE and the drafter's
+    name for the others ("vllm serve dflash")."""
+    return SERVE if algorithm == "eagle3" else f"{SERVE} {algorithm}"

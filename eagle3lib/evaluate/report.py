@@ -30,6 +30,7 @@ from eagle3lib.evaluate.keys import (
     OFFLINE_ROWS,
     SERVE,
     VLLM,
+    serve_row,
 )
 from eagle3lib.rundir import RunDir, manifest_file
 from eagle3lib.stages import ALL_STAGES
@@ -198,6 +199,28 @@ def curves_summary(path: Path) -> list[str]:
     return lines
 
 
+def training_lines(rd: RunDir, m05: dict[str, Any]) -> list[str]:
+    """Stage 05 on the card: per drafter its curves' first and last validation point, the optimizer, and one table
+    of every drafter's headline numbers (a column each)."""
+    if not m05:
+        return ["(stage 05 has not run)", ""]
+    from eagle3lib.drafters import title
+
+    metrics, outputs = m05.get("metrics", {}), m05.get("outputs", {})
+    algorithms = metrics.get("algorithms") or []
+    out = []
+    for algorithm in algorithms:
+        curves = outputs.get(f"curves_{algorithm}")
+        lines = curves_summary(rd.root / curves if curves and not Path(curves).is_absolute() else Path(curves or ""))
+        out += [f"- **{title(algorithm)}**:", *(f"  {line}" for line in lines)] if len(algorithms) > 1 else lines
+    out += optimizer_summary(metrics.get("resolved") or {}, rd.cfg.train)
+    names = list(dict.fromkeys(k for a in algorithms for k in metrics.get(a) or {}))
+    if names:
+        out += ["", _table(["metric", *(title(a) for a in algorithms)],
+                           [[k, *((metrics.get(a) or {}).get(k) for a in algorithms)] for k in names])]
+    return [*out, ""]
+
+
 def optimizer_summary(resolved: dict[str, Any], tcfg: Any) -> list[str]:
     """One line: the optimizer stage 05 resolved (with why, where `train.optimizer` was auto) and its schedule; none
     for a draft trained elsewhere (benchmarks/peers.py's CLI arm) or before the optimizer was resolved."""
@@ -258,7 +281,8 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if results:
         by = results.get("by_method", {})
         head = [f"**k = {results.get('k')}**"]
-        for name in (SERVE, VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
+        serve_rows = [serve_row(a) for a in results.get("drafts") or {"eagle3": None}]
+        for name in (*serve_rows, VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
             if name in by:
                 head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
         ngram = by.get(NGRAM_SERVE) or by.get(NGRAM) or {}
@@ -271,6 +295,9 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
                 head.append(f"{name} {what}: **×{r['speedup']:.2f}** ({r['identical']}/{r['prompts']} outputs "
                             "identical to the target alone)")
         out += [" · ".join(head), ""]
+        if results.get("methods_skipped"):  # a method that could not follow any drafter this run trained
+            out += ["Not measured: " + "; ".join(f"`{m}` ({why})" for m, why in results["methods_skipped"].items())
+                    + ". Every drafter is measured by `serve`.", ""]
     # target and data
     out += ["## Target and data", ""]
     rows = [["target", o02.get("model_dir") or rd.cfg.target.model],
@@ -298,19 +325,7 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
                      f"{_fmt(m04.get('draft_vocab_size'))} ({_fmt(m04.get('coverage'))})"])
     out += [_table(["", ""], rows), ""]
     # training
-    m05 = man.get("05", {})
-    out += ["## Training (stage 05)", ""]
-    if m05:
-        curves = m05.get("outputs", {}).get("curves")
-        if curves:
-            out += curves_summary(rd.root / curves if not Path(curves).is_absolute() else Path(curves))
-        out += optimizer_summary(m05.get("metrics", {}).get("resolved") or {}, rd.cfg.train)
-        keep = {k: v for k, v in m05.get("metrics", {}).items() if not isinstance(v, dict | list) or k == "val_full_acc"}
-        if keep:
-            out += ["", _table(["metric", "value"], [[k, v] for k, v in keep.items()])]
-        out.append("")
-    else:
-        out += ["(stage 05 has not run)", ""]
+    out += ["## Training (stage 05)", "", *training_lines(rd, man.get("05", {}))]
     # acceptance
     out += ["## Acceptance (stage 06)", ""]
     if results:
@@ -373,147 +388,6 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if nbs:
         out += ["Executed notebooks: " + ", ".join(f"[{p.stem}](notebooks/{p.name})" for p in nbs), ""]
     return "\n".join(out)
-
-
-COMPARE_LIVE = (SERVE, EMBEDDED, VLLM)  # the row a benchmark's τ across runs is read from, the first a run has
-
-
-def _read_results(root: Path) -> dict[str, Any]:
-    """A run's eval/results.json, or {} where stage 06 has not run (or left no readable file): `eagle3 compare`
-    shows such a run's stage 06 columns as — rather than failing on it."""
-    try:
-        return json.loads((root / "eval" / "results.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _live_tau(by_method: dict[str, Any]) -> tuple[str | None, float | None]:
-    """The row (COMPARE_LIVE order) and τ a benchmark or category is compared by across runs. The server's first:
-    the number a deployment sees, and a serve-only run (the 1.5B recipe) has no other; then the exact embedded
-    decoder; then vLLM in-process. One τ per run keeps the table one column per benchmark."""
-    name = next((m for m in COMPARE_LIVE if by_method.get(m)), None)
-    return name, (by_method[name].get("tau") if name else None)
-
-
-def _rows_used(results: dict[str, Any]) -> list[str]:
-    """The rows _live_tau reads for a run's benchmarks and their categories, in COMPARE_LIVE order: the note names
-    them per run, since a run compared by the server's counters and one by the embedded decoder differ in kind."""
-    groups = [g for b in (results.get("tau_by_benchmark") or {}).values()
-              for g in (b, *(b.get("by_category") or {}).values())]
-    used = {_live_tau(g.get("by_method") or {})[0] for g in groups}
-    return [m for m in COMPARE_LIVE if m in used]
-
-
-def _levels(runs: list[dict[str, Any]]) -> list[int]:
-    """Every concurrency level any run's serve sweep measured, ascending: the ×c=N columns (a run's levels are
-    `evaluate.serve_concurrency`, which runs may set differently)."""
-    return sorted({int(c) for r in runs for c in (r.get("serve") or {}).get("speedup_by_concurrency") or {}})
-
-
-def _category_lines(roots: list[Path], runs: list[dict[str, Any]]) -> list[str]:
-    """τ per (benchmark, category) with one column per run, the same row preference as the benchmark columns
-    (_live_tau): where the runs differ by MT-Bench category (coding vs writing) is what one τ per benchmark hides.
-    Empty where no run grouped a benchmark by category."""
-    cells: dict[tuple[str, str], dict[int, float | None]] = {}
-    ngram = next((r for r in runs if _ngram_on_server(r)), None)  # the first run whose sweep had n-gram's server
-    for i, r in enumerate(runs + ([ngram] if ngram else [])):
-        for name, b in (r.get("tau_by_benchmark") or {}).items():
-            for cat, g in (b.get("by_category") or {}).items():
-                by = g.get("by_method") or {}
-                cells.setdefault((name, cat), {})[i] = (by.get(NGRAM_SERVE) or {}).get("tau") if i == len(runs) \
-                    else _live_tau(by)[1]
-    if not cells:
-        return []
-    columns = [r.name for r in roots] + ([NGRAM_ROW] if ngram else [])
-    rows = [[name, cat] + [taus.get(i) for i in range(len(columns))] for (name, cat), taus in cells.items()]
-    return ["τ by benchmark category (one column per run; rows read as for the benchmark columns):", "",
-            _table(["benchmark", "category", *columns], rows)]
-
-
-NGRAM_ROW = "vLLM n-gram lookup (no draft)"
-
-
-def _ngram_on_server(results: dict[str, Any]) -> bool:
-    return bool((results.get("by_method") or {}).get(NGRAM_SERVE))
-
-
-def _ngram_row(results: dict[str, Any], benches: list[str], levels: list[int]) -> list[Any]:
-    """vLLM's n-gram lookup as a row of its own, from a run that measured it: as a server of the serve sweep (τ
-    serve, τ per benchmark, the speedup at each level) or in-process (τ vLLM only)."""
-    by = results["by_method"]
-    on_server = _ngram_on_server(results)
-    ng = by[NGRAM_SERVE] if on_server else by[NGRAM]
-    taus = {b: ((g.get("by_method") or {}).get(NGRAM_SERVE) or {}).get("tau")
-            for b, g in (results.get("tau_by_benchmark") or {}).items()}
-    speedup = ((results.get("serve") or {}).get("ngram") or {}).get("speedup_by_concurrency") or {}
-    return [NGRAM_ROW, None, None, None, None if on_server else ng["tau"], ng["tau"] if on_server else None,
-            *(taus.get(b) for b in benches), ng.get("tokens_per_step"), per_position(ng),
-            *(speedup.get(str(c)) for c in levels), None, None]
-
-
-def compare_runs(roots: list[Path]) -> str:
-    """One table across runs (drafts trained on different layers, data, targets or settings; same held-out prompts
-    when they share stage 02's eval split), plus vLLM's n-gram lookup from the first run that measured it, then τ
-    by benchmark category: what `eagle3 compare` prints. Columns: τ per method, τ per benchmark any run measured,
-    the serving speedup at each concurrency level any run's serve sweep measured. Only recorded numbers; what a
-    run lacks shows as —."""
-    runs = [_read_results(root) for root in roots]
-    benches = list(dict.fromkeys(b for r in runs for b in r.get("tau_by_benchmark") or {}))
-    levels = _levels(runs)
-    rows, ngram, used = [], None, []
-    for root, results in zip(roots, runs, strict=True):
-        man = read_manifests(root)
-        by = results.get("by_method", {})
-        live = by.get(VLLM) or by.get(EMBEDDED) or by.get(SERVE) or {}  # a serve-only run: the server's counters
-        m05 = man.get("05", {}).get("metrics", {})
-        taus = {b: _live_tau(g.get("by_method") or {})[1] for b, g in (results.get("tau_by_benchmark") or {}).items()}
-        speedup = (results.get("serve") or {}).get("speedup_by_concurrency") or {}
-        rows.append([root.name, (man.get("02", {}).get("metrics", {}).get("layer_ids") or [None])[:-1] or None,
-                     m05.get("val_eal"), by.get(EMBEDDED, {}).get("tau"), by.get(VLLM, {}).get("tau"),
-                     by.get(SERVE, {}).get("tau"), *(taus.get(b) for b in benches),
-                     live.get("tokens_per_step"),
-                     per_position(live),
-                     *(speedup.get(str(c)) for c in levels),
-                     man.get("05", {}).get("seconds"),
-                     round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None])
-        if read := _rows_used(results):
-            used.append(f"{root.name}: {' + '.join(read)}")
-        if ngram is None and (_ngram_on_server(results) or by.get(NGRAM)):
-            ngram = _ngram_row(results, benches, levels)
-    header = ["draft", "aux layers", "val EAL (05)", "τ embedded", "τ vLLM", "τ serve", *(f"τ {b}" for b in benches),
-              "tokens per step", "per position", *(f"×c={c}" for c in levels), "train s", "stages s"]
-    note = ("τ = 1 + accepted / drafts (over the steps that drafted); τ serve = the real `vllm serve` with the draft, "
-            "its /metrics counters over every concurrency level; tokens per step = generated / target forwards, "
-            "from vLLM in-process where it ran, else the embedded decoder, else the server; per position = accepted at p / "
-            "drafts.")
-    if benches:
-        note += (f" τ <benchmark> and τ by category: the run's `{COMPARE_LIVE[0]}` row where it has one, else "
-                 f"{', else '.join(f'`{m}`' for m in COMPARE_LIVE[1:])} (rows read: {'; '.join(used)}).")
-    if levels:
-        note += (" ×c=N = output tokens/s with the draft ÷ without it, `vllm serve` at concurrency N "
-                 "(the serve step's sweep; at that level's best setting of evaluate.serve_grid).")
-    out = [_table(header, rows + ([ngram] if ngram else [])), "", note]
-    if held := held_out_note(roots, runs):
-        out += ["", held]
-    cats = _category_lines(roots, runs)
-    return "\n".join(out + ([""] + cats if cats else []))
-
-
-def held_out_note(roots: list[Path], runs: list[dict[str, Any]]) -> str | None:
-    """A warning where the runs asked different held-out prompts (stage 06's `held_out_digest`), or where some runs
-    recorded theirs and some predate it (not known to match): their held-out τ columns do not compare, the
-    benchmarks' do. Runs that all predate it say nothing, as before."""
-    digests = {root.name: r.get("held_out_digest") for root, r in zip(roots, runs, strict=True) if r}
-    known = {d for d in digests.values() if d}
-    if not (len(known) > 1 or known and None in digests.values()):
-        return None
-    groups: dict[str | None, list[str]] = {}
-    for name, d in digests.items():
-        groups.setdefault(d, []).append(name)
-    sets = "; ".join(f"{', '.join(names)}: {d or 'not recorded'}" for d, names in groups.items())
-    return (f"**The held-out prompts differ or are not known to match** (stage 06's held_out_digest: {sets}): the "
-            "τ embedded / vLLM / serve columns of those runs do not compare; the benchmark columns do (the same "
-            "questions).")
 
 
 def write_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> Path:

@@ -1,9 +1,10 @@
 """Stage 06's `serve` method: does this draft make a real server faster, at which load, with which settings, and how
 is it served.
 
-The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts once per setting of
-`evaluate.serve_grid` with the draft (`--speculative-config '{"method": "eagle3", ...}'` and the setting's keys: k,
-the drafter's options, async scheduling), and once without: one after another, or all at once side by side on the
+The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts once per drafter of train.algorithms and
+setting of `evaluate.serve_grid` with that draft (`--speculative-config` with vLLM's method for the drafter:
+eagle3lib.drafters.speculative_config, and the setting's keys: k, the drafter's options, async scheduling), and once
+without: one after another, or all at once side by side on the
 same GPUs (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest start instead of their sum;
 `all_up`), then measured a level at a time, each server in turn, the target alone at both ends (`level_rounds`); at
 each level of `evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the
@@ -14,16 +15,17 @@ default), eager on the CPU. Then each server answers every prompt once more as t
 outputs are compared with the target alone's; an output that differs goes through the rounding-tie check
 (`decoder.first_divergence`) with the transformers target. With `ngram` in evaluate.methods as well, one more server
 speculates by vLLM's n-gram prompt lookup (no draft model) and is measured the same way (results["serve"]["ngram"]):
-the free baseline a trained draft must beat, at the same loads. Last, the first setting's server (and n-gram
-lookup's) asks every `evaluate.benchmarks` item turn by turn (`ask_on_server`): τ per benchmark, category and turn
-from its counters, the "vllm serve" (and NGRAM_SERVE) rows of results["tau_by_benchmark"] (with only 'serve'
-configured, `methods.measure` leaves the benchmarks to this step and loads no transformers target).
+the free baseline a trained draft must beat, at the same loads. Last, each drafter's first setting's server (and
+n-gram lookup's) asks every `evaluate.benchmarks` item turn by turn (`ask_on_server`): τ per benchmark, category and
+turn from its counters, the drafter's serve row (keys.serve_row: "vllm serve" for EAGLE-3) and NGRAM_SERVE of
+results["tau_by_benchmark"] (with only 'serve' configured, `methods.measure` leaves the benchmarks to this step and
+loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
 helps); the step cost (`step_cost`) = what a step with the draft costs against a plain one there, which is also
 the τ from which the draft pays at that load. Per level the setting with the most output tokens/s is recommended,
 or no draft where none beats the target alone (`recommend`); the verdict (`verdict`) says up to which concurrency
-to serve the draft and with which settings, or, where it does not pay even at the lowest level, the τ this target
+to serve which draft and with which settings, or, where it does not pay even at the lowest level, the τ this target
 needs to break even and what one more doubling of the training data would give by the run's data curve. Each
 finished (setting, level) cell (and each server's outputs) is kept in eval/serve/partial.json, so a rerun after a
 failure or an interrupt starts only the servers it still needs, and a setting added to the grid costs only its own
@@ -49,10 +51,10 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic, jsonl
+from eagle3lib import atomic, drafters, jsonl
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
-from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
+from eagle3lib.evaluate.keys import NGRAM_SERVE, serve_row
 from eagle3lib.evaluate.methods import (
     FinishedMethods,
     add_held_out_groups,
@@ -65,7 +67,6 @@ from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, r
 
 log = logging.getLogger("eagle3lib.evaluate")
 
-SERVE_ROWS = {"eagle3": SERVE, "ngram": NGRAM_SERVE}  # each speculating server's rows in results["by_method"]
 AGAIN = " again"  # the cell of the target alone's second measurement at a level (`level_rounds`)
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -79,51 +80,73 @@ def requests_at(level: int, prompts: int, setting: int | None) -> int:
 
 @dataclass(frozen=True)
 class ServerPlan:
-    """One server of the sweep: the draft under one setting of evaluate.serve_grid (role 'eagle3'), n-gram lookup
+    """One server of the sweep: a drafter under one setting of evaluate.serve_grid (role 'draft'), n-gram lookup
     ('ngram') or the target alone ('baseline')."""
 
     id: str  # its cells' names in partial.json ("eagle3 k=3 c=1") and, as `slug`, its files' names
-    role: str  # eagle3 | ngram | baseline: the key of its rows in a level's results
+    role: str  # draft | ngram | baseline: the key of its rows in a level's results
     k: int  # draft tokens per step: the counters' positions
     spec: dict[str, Any] | None  # its --speculative-config (None: the target alone)
     flags: tuple[str, ...] = ()  # the setting's other `vllm serve` flags (async scheduling)
     label: str | None = None  # the draft's setting as the report names it ("k=3 async=off"); None for the others
+    algorithm: str | None = None  # the drafter (eagle3lib.drafters); None for the others
 
     @property
     def slug(self) -> str:
         return re.sub(r"[^A-Za-z0-9.=-]+", "_", self.id)
 
 
-def setting_label(setting: dict[str, Any]) -> str:
-    """A draft setting as the report card and results.json name it: "k=3", then its other keys, sorted
-    ("k=3 async=off", "k=2 enforce_eager=true")."""
-    parts = [f"k={setting['num_speculative_tokens']}"]
+def setting_label(setting: dict[str, Any], algorithm: str | None = None) -> str:
+    """A draft setting as the report card and results.json name it: the drafter where it is not the run's only
+    EAGLE-3 draft (`algorithm` None), "k=3", then its other keys, sorted ("dflash k=15", "k=3 async=off")."""
+    parts = [algorithm] if algorithm else []
+    parts.append(f"k={setting['num_speculative_tokens']}")
     for key in sorted(set(setting) - {"num_speculative_tokens"}):
         value = setting[key]
         parts.append(f"async={'on' if value else 'off'}" if key == "async_scheduling" else f"{key}={json.dumps(value)}")
     return " ".join(parts)
 
 
-def plan_servers(ecfg: Any, draft: Path) -> list[ServerPlan]:
-    """The servers the sweep starts, in order: the draft under each setting of evaluate.serve_grid (the first one
-    first: a draft vLLM cannot load fails before the others' minutes), n-gram lookup's when 'ngram' is configured,
-    the target alone's."""
+def drafter_settings(ecfg: Any, algorithm: str, checkpoint: Path) -> list[dict[str, Any]]:
+    """The settings a drafter is served with (evaluate.serve_grid's entries for it, `EvaluateSection.serve_settings`,
+    k defaulting to drafters.default_k), refused where k passes what the drafter was trained for: P-EAGLE fills at
+    most its trained depths, DFlash at most its block's slots after the anchor (EAGLE-3 may chain past its TTT
+    steps)."""
+    trained = drafters.trained_tokens(checkpoint)
+    settings = ecfg.serve_settings(algorithm, drafters.default_k(algorithm, checkpoint, ecfg.num_draft_tokens))
+    for setting in settings:
+        if algorithm != "eagle3" and setting["num_speculative_tokens"] > trained:
+            knob = "train.num_depths" if algorithm == "peagle" else "train.block_size - 1"
+            raise WorkbookError(
+                f"evaluate.serve_grid serves {drafters.title(algorithm)} with k = {setting['num_speculative_tokens']}, "
+                f"but it was trained for {trained} draft tokens per step ({knob})",
+                f"give that entry num_speculative_tokens <= {trained}, or raise {knob.split(' ')[0]} and rerun "
+                "stage 05")
+    return settings
+
+
+def plan_servers(ecfg: Any, drafts: dict[str, Path]) -> list[ServerPlan]:
+    """The servers the sweep starts, in order: each drafter (train.algorithms' order) under each of its settings
+    (the first one first: a draft vLLM cannot load fails before the others' minutes), n-gram lookup's when 'ngram'
+    is configured, the target alone's."""
     from eagle3lib.evaluate.vllm_child import ngram_config
     from eagle3lib.extract.backends.vllm_engine import engine_flags
 
-    k = ecfg.num_draft_tokens
+    named = len(drafts) > 1 or set(drafts) != {"eagle3"}  # labels name the drafter unless EAGLE-3 is the only one
     out = []
-    for setting in ecfg.serve_settings():
-        label = setting_label(setting)
-        spec = {"method": "eagle3", "model": str(draft),
-                **{key: v for key, v in setting.items() if key != "async_scheduling"}}
-        flags = engine_flags({"async_scheduling": setting["async_scheduling"]}) if "async_scheduling" in setting \
-            else []
-        out.append(ServerPlan(f"eagle3 {label}", "eagle3", int(setting["num_speculative_tokens"]), spec,
-                              tuple(flags), label))
+    for algorithm, checkpoint in drafts.items():
+        for setting in drafter_settings(ecfg, algorithm, checkpoint):
+            label = setting_label(setting, algorithm if named else None)
+            k = int(setting["num_speculative_tokens"])
+            spec = {**drafters.speculative_config(algorithm, checkpoint, k),
+                    **{key: v for key, v in setting.items() if key not in ("async_scheduling", "algorithm")}}
+            flags = engine_flags({"async_scheduling": setting["async_scheduling"]}) \
+                if "async_scheduling" in setting else []
+            out.append(ServerPlan(f"{algorithm} {setting_label(setting)}", "draft", k, spec, tuple(flags), label,
+                                  algorithm))
     if "ngram" in ecfg.methods:
-        out.append(ServerPlan("ngram", "ngram", k, ngram_config(k)))
-    return [*out, ServerPlan("baseline", "baseline", k, None)]
+        out.append(ServerPlan("ngram", "ngram", ecfg.num_draft_tokens, ngram_config(ecfg.num_draft_tokens)))
+    return [*out, ServerPlan("baseline", "baseline", ecfg.num_draft_tokens, None)]
 
 
 def side_by_side_memory(kv_gib: float | None, servers: int, cpu: bool) -> list[str]:
@@ -289,9 +312,11 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.evaluate.benchmarks])
     bench_items = {n: benchmarks.select_items(benchmarks.read_items(p), cfg.evaluate.benchmark_prompts)
                    for n, p in files.items()}
-    weights = Path(inp.checkpoint) / "model.safetensors"
-    fingerprint = {"k": cfg.evaluate.num_draft_tokens, "dtype": dname, "checkpoint": str(inp.checkpoint),
-                   "weights": [weights.stat().st_size, weights.stat().st_mtime_ns] if weights.is_file() else None,
+    weights = {a: Path(c) / "model.safetensors" for a, c in inp.drafts.items()}
+    fingerprint = {"k": cfg.evaluate.num_draft_tokens, "dtype": dname,
+                   "drafts": {a: str(c) for a, c in inp.drafts.items()},
+                   "weights": {a: [w.stat().st_size, w.stat().st_mtime_ns] if w.is_file() else None
+                               for a, w in weights.items()},
                    "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
                    "held_out_groups": list(groups) if groups else None,  # as partial.json reads it back
                    "benchmarks": benchmarks.fingerprint(files, cfg.evaluate.benchmark_prompts)}
@@ -306,14 +331,12 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     if rows := results["serve"].pop("benchmark_rows"):
         add_benchmark_rows(results.setdefault("tau_by_benchmark", {}), rows)
     results.setdefault("seconds", {})["serve"] = round(time.perf_counter() - t0, 2)
-    results.setdefault("by_method", {})[SERVE] = results["serve"]["acceptance"]
-    if "ngram" in results["serve"]:
-        results["by_method"][NGRAM_SERVE] = results["serve"]["ngram"]["acceptance"]
-    if groups:  # the primary setting's server and n-gram lookup's, beside the embedded decoder's rows
-        primary = results["serve"]["settings"][results["serve"]["primary"]]
-        for method, row in ((SERVE, primary), (NGRAM_SERVE, results["serve"].get("ngram"))):
-            if row and row.get("held_out_by_group"):
-                add_held_out_groups(results, groups[0], method, row["held_out_by_group"])
+    firsts = {serve_row(a): results["serve"]["settings"][label] for a, label in results["serve"]["firsts"].items()}
+    rows = {**firsts, **({NGRAM_SERVE: results["serve"]["ngram"]} if "ngram" in results["serve"] else {})}
+    for method, row in rows.items():  # each drafter's first setting's server and n-gram lookup's
+        results.setdefault("by_method", {})[method] = row["acceptance"]
+        if groups and row.get("held_out_by_group"):  # beside the embedded decoder's rows
+            add_held_out_groups(results, groups[0], method, row["held_out_by_group"])
     atomic.write_json(stage.rd.path("eval", "results.json"), results)
     return results
 
@@ -348,29 +371,32 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     exact = write_prompts(tok, prompts, prompts_file)
     max_len = max([vllm_job(inp.model_dir, prompts, max_tokens, dname)["max_model_len"],
                    *(longest_conversation(tok, items, max_tokens) for items in bench_items.values())])
-    plans = plan_servers(ecfg, inp.checkpoint)
+    plans = plan_servers(ecfg, inp.drafts)
     side_by_side = ecfg.serve_side_by_side_kv_gib is not None
     common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
                   max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args),
                   memory=side_by_side_memory(ecfg.serve_side_by_side_kv_gib, len(plans), cpu))
-    drafts = [p for p in plans if p.role == "eagle3"]
-    primary = drafts[0]  # its server answers the benchmarks and gives the 'vllm serve' row
+    drafts = [p for p in plans if p.role == "draft"]
+    # each drafter's first setting: its server asks the benchmarks and gives the drafter's τ row
+    firsts = {a: next(p for p in drafts if p.algorithm == a) for a in dict.fromkeys(p.algorithm for p in drafts)}
+    primary = drafts[0]  # the first drafter's
     speculating = [p for p in plans if p.role != "baseline"]
     args = {p.id: serve_args(spec=p.spec, flags=p.flags, **common) for p in plans}
     n_req = {c: requests_at(c, len(prompts), ecfg.serve_requests) for c in levels}
     # a draft setting's cells are named by its setting (its args follow from them and the fingerprint), so a grid
     # that gains or loses a setting keeps every other cell; the other servers' args are in the fingerprint
     store = FinishedMethods(workdir / "partial.json", {
-        **fingerprint, "serve_args": {p.id: args[p.id] for p in plans if p.role != "eagle3"},
+        **fingerprint, "serve_args": {p.id: args[p.id] for p in plans if p.role != "draft"},
         "max_tokens": max_tokens, "serve_requests": ecfg.serve_requests,
         "prompts_file": hashlib.sha256(prompts_file.read_bytes()).hexdigest()})
     scratch: dict[str, Any] = {"seconds": {}}
     todo = {p.id: [c for c in levels if not store.has(f"{p.id} c={c}")] for p in plans}
     for c in todo["baseline"]:  # the target alone's two figures of a level come from one attempt (`level_rounds`)
         store.methods.pop(f"baseline c={c}{AGAIN}", None)
-    # the first setting's server and n-gram lookup's also ask every benchmark (the baseline's counters would say
-    # nothing; one draft setting's τ per benchmark is the row the other methods are compared with)
-    asks = {p.id: [f"benchmark {n}" for n in bench_items] if p is primary or p.role == "ngram" else [] for p in plans}
+    # each drafter's first setting's server and n-gram lookup's also ask every benchmark (the baseline's counters
+    # would say nothing; one setting's τ per benchmark is the row the other methods are compared with)
+    asks = {p.id: [f"benchmark {n}" for n in bench_items] if p in firsts.values() or p.role == "ngram" else []
+            for p in plans}
     reused = [f"{p.id} c={c}" for p in plans for c in levels if c not in todo[p.id]]  # kept from an earlier attempt
     if reused:
         log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(reused), store.path)
@@ -435,7 +461,8 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
         if worker is not None:
             worker.close()
     settings = {p.label: {"setting": p.label, "speculative_config": p.spec, "serve_flags": list(p.flags),
-                          **aggregate(store, levels, n_req, p.k, prompts, workdir, p.id, "eagle3")} for p in drafts}
+                          "algorithm": p.algorithm,
+                          **aggregate(store, levels, n_req, p.k, prompts, workdir, p.id, "draft")} for p in drafts}
     ngram = next((p for p in plans if p.role == "ngram"), None)
     outputs = {p.id: store.methods[f"{p.id} outputs"]["value"] for p in plans}  # complete_by_group's
     checked = tie_check(cfg, inp, prompts, outputs["baseline"]["ids"],
@@ -446,18 +473,20 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
     if ngram is not None:
         result["ngram"] = {**aggregate(store, levels, n_req, k, prompts, workdir, ngram.id, "ngram"),
                            **checked[ngram.id], "held_out_by_group": outputs[ngram.id]["by_group"]}
-    result.update(k=primary.k, primary=primary.label, settings=settings, concurrency=levels,
+    result.update(k=primary.k, primary=primary.label, firsts={a: p.label for a, p in firsts.items()},
+                  settings=settings, concurrency=levels,
                   requests={str(c): n for c, n in n_req.items()}, prompts=len(prompts), prompt_tokens_exact=exact,
                   max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname, reused=reused,
                   side_by_side=side_by_side, baseline_drift=baseline_drift(store, levels),
                   workdir=str(workdir), level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
     result["benchmark_rows"] = {}
     for name, items in bench_items.items():
-        for p in (primary, *([ngram] if ngram else [])):
+        for p in (*firsts.values(), *([ngram] if ngram else [])):
             asked = store.methods[f"{p.id} benchmark {name}"]["value"]
             if p is primary:  # the conversations asked, the server's answers in them
                 atomic.write_text(workdir / f"bench_{name}.jsonl", jsonl.dumps(asked["asked"]))
-            rows = benchmark_rows(asked, p.k, inp.benchmark_info.get(name, {}), len(items), SERVE_ROWS[p.role])
+            row = serve_row(p.algorithm) if p.role == "draft" else NGRAM_SERVE
+            rows = benchmark_rows(asked, p.k, inp.benchmark_info.get(name, {}), len(items), row)
             add_benchmark_rows(result["benchmark_rows"], {name: rows})
     result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if " benchmark " in n}
     store.clear()  # every level is in the result now

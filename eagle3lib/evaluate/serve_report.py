@@ -30,6 +30,12 @@ def _num(v: float | None) -> str:
     return f"{v:.2f}" if isinstance(v, int | float) else "—"
 
 
+def _title(algorithm: str) -> str:
+    from eagle3lib.drafters import title
+
+    return title(algorithm)
+
+
 def within_drift(serve: dict[str, Any]) -> list[str]:
     """The levels whose recommended speedup is no further from x1.00 than the target alone's own two measurements
     there are from each other (`serve.baseline_drift`), as 'concurrency C (xS, drift D%)'."""
@@ -57,20 +63,23 @@ def verdict_line(v: dict[str, Any]) -> str:
     data gives by the run's data curve, or that the run has none."""
     low, x = v["lowest_concurrency"], _x(v.get("speedup_at_lowest"))
     cost, tau = v.get("step_cost"), v.get("tau")
+    several = len(v.get("algorithms") or []) > 1  # the sweep served more than one drafter: the line names them
+    chosen = v.get("algorithms_recommended") or []
+    this = (f"the {_title(chosen[0])} draft" if len(chosen) == 1 else "these drafts") if several else "this draft"
     if v["serve"]:
         by_level = v["settings"]
         names = list(dict.fromkeys(by_level.values()))
         with_ = f"with {_settings(names)}" if len(names) == 1 else \
             "with " + ", ".join(f"`{n}` at {c}" for c, n in by_level.items())
         top = " (the highest level measured)" if v["up_to_concurrency"] == v.get("highest_concurrency") else ""
-        line = (f"**Serve this draft** up to concurrency **{v['up_to_concurrency']}**{top} {with_} "
+        line = (f"**Serve {this}** up to concurrency **{v['up_to_concurrency']}**{top} {with_} "
                 f"(**{x}** output tokens/s at {low})")
         if cost is not None:
             line += (f"; a step with the draft costs {cost:.2f} target steps (τ {tau:.2f} ÷ {x}), so this target "
                      f"breaks even from τ {cost:.2f}")
     else:
-        line = (f"**Do not serve this draft**: {x} output tokens/s at concurrency {low} with its best setting "
-                f"(`{v.get('setting_at_lowest')}`)")
+        line = (f"**Do not serve {'any of these drafts' if several else 'this draft'}**: {x} output tokens/s at "
+                f"concurrency {low} with the best setting (`{v.get('setting_at_lowest')}`)")
         line += (f"; this target needs τ ≥ **{cost:.2f}** to break even (step cost {cost:.2f} target steps = "
                  f"τ {tau:.2f} ÷ {x}; ×1.2 needs τ ≥ {v['tau_for_x1_2']:.2f})" if cost is not None else
                  "; its step cost could not be read (no τ at that level)")
@@ -98,7 +107,7 @@ def _levels_table(serve: dict[str, Any]) -> list[str]:
     for c, lv in (serve.get("by_level") or {}).items():
         rec = (serve.get("recommended_settings") or {}).get(c) or {}
         best = lv.get("setting") or serve.get("primary") or "—"
-        s, b = lv["eagle3"], lv["baseline"]
+        s, b = lv["draft"], lv["baseline"]
         each = " · ".join(f"{n} {_x(st['by_level'][c]['output_tok_s_ratio'])}" for n, st in settings.items())
         rows.append([c, f"{b.get('output_throughput') or 0:,.1f}",
                      f"`{rec['setting']}`" if rec.get("setting") else f"{NO_DRAFT} (best: `{best}`)",
@@ -118,16 +127,23 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
     if not serve:
         return []
     out = [serve["verdict"]["line"], ""] if serve.get("verdict") else []
-    acc = serve.get("acceptance") or {}
-    tau = f"{acc['tau']:.2f}" if isinstance(acc.get("tau"), int | float) else "—"
     n = len(serve.get("settings") or {}) or 1
-    out += ["## Serving this draft", "",
-            f"`vllm serve` with the draft under {n} setting{'s' * (n > 1)} of `evaluate.serve_grid` and without it, at "
-            "each concurrency level; recommended = the setting with the most output tokens/s, where it beats the "
-            "target alone (every setting at every level: the serving table below).", "", *_levels_table(serve), "",
-            f"τ **{tau}** (the server's own counters over every level, first setting `{serve.get('primary')}`, "
-            f"k = {serve.get('k')}) · {serve.get('identical')}/{serve.get('prompts')} greedy outputs identical with "
-            "and without the draft", ""]
+    firsts = serve.get("firsts") or {"eagle3": serve.get("primary")}
+    several = len(firsts) > 1
+    out += ["## Serving " + ("these drafts" if several else "this draft"), "",
+            f"`vllm serve` with {f'each of {len(firsts)} drafts' if several else 'the draft'} under {n} setting"
+            f"{'s' * (n > 1)} of `evaluate.serve_grid` in all, and without a draft, each server alone on the GPU "
+            "unless the sweep says otherwise, at each concurrency level; recommended = the setting with the most "
+            "output tokens/s, where it beats the target alone (every setting at every level: the serving table "
+            "below).", "", *_levels_table(serve), ""]
+    for algorithm, label in firsts.items():
+        st = (serve.get("settings") or {}).get(label) or serve
+        acc = st.get("acceptance") or {}
+        tau = f"{acc['tau']:.2f}" if isinstance(acc.get("tau"), int | float) else "—"
+        tps = f"{acc['tokens_per_step']:.2f}" if isinstance(acc.get("tokens_per_step"), int | float) else "—"
+        out += [(f"{_title(algorithm)}: " if several else "") + f"τ **{tau}**, {tps} tokens per target step (the "
+                f"server's own counters over every level, setting `{label}`) · {st.get('identical')}/"
+                f"{serve.get('prompts')} greedy outputs identical with and without the draft", ""]
     if shaky := within_drift(serve):
         out += [f"**Within the host's own drift** at {', '.join(shaky)}: the target alone, measured at both ends of "
                 "that level, differed by more than the recommended setting's margin over it (the serving table "
@@ -142,12 +158,12 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
     rec = ((serve.get("recommended_settings") or {}).get(low) or {}).get("setting")
     if rec or not serve.get("recommended_settings"):
         cmd = serve.get("command") or {}
-        out += [f"Serve this draft (`{rec}`, recommended at concurrency {low}; the command this stage ran):"
+        out += [f"Serve `{rec}` (recommended at concurrency {low}; the command this stage ran):"
                 if rec else "Serve this draft (the command this stage ran):"]
     else:
         cmd = serve.get("baseline_command") or {}
-        out += [f"No setting of this draft beats the target alone at concurrency {low}: serve the target alone "
-                "(the command this stage ran):"]
+        out += [f"No setting {'of any draft' if several else 'of this draft'} beats the target alone at concurrency "
+                f"{low}: serve the target alone (the command this stage ran):"]
     out += ["", "```bash", cmd.get("upstream", ""), "```", ""]
     argv = cmd.get("argv") or []
     if "--kv-cache-memory-bytes" in argv:
@@ -181,7 +197,7 @@ def section(serve: dict[str, Any] | None) -> list[str]:
     for c in (serve.get("by_level") or {}):
         for name, st in settings.items():
             lv = st["by_level"][c]
-            s, b = lv["eagle3"], lv["baseline"]
+            s, b = lv["draft"], lv["baseline"]
             rows.append([c, f"`{name}`" + (" ✓" if recommended.get(c) == name else ""),
                          f"{b.get('output_throughput') or 0:,.1f} → {s.get('output_throughput') or 0:,.1f}",
                          _x(lv.get("output_tok_s_ratio")),

@@ -28,14 +28,14 @@ def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: s
     by_level: dict[str, Any] = {}
     recommended: dict[str, Any] = {}
     for c in map(str, levels):
-        best = max(settings, key=lambda s: settings[s]["by_level"][c]["eagle3"].get("output_throughput") or 0)
+        best = max(settings, key=lambda s: settings[s]["by_level"][c]["draft"].get("output_throughput") or 0)
         lv = settings[best]["by_level"][c]
-        pays = (lv["eagle3"].get("output_throughput") or 0) > (lv["baseline"].get("output_throughput") or 0)
+        pays = (lv["draft"].get("output_throughput") or 0) > (lv["baseline"].get("output_throughput") or 0)
         by_level[c] = {**lv, "setting": best, "recommended": pays}
         recommended[c] = {"setting": best if pays else None, "best_setting": best,
                           "speculative_config": settings[best]["speculative_config"] if pays else None,
                           "serve_flags": settings[best]["serve_flags"] if pays else [],
-                          "speedup": lv["output_tok_s_ratio"], "output_throughput": lv["eagle3"]["output_throughput"],
+                          "speedup": lv["output_tok_s_ratio"], "output_throughput": lv["draft"]["output_throughput"],
                           "baseline_output_throughput": lv["baseline"]["output_throughput"]}
     speedup = {c: lv["output_tok_s_ratio"] for c, lv in by_level.items()}
     low = str(levels[0])
@@ -82,9 +82,9 @@ def read_data_curve(path: Path) -> dict[str, Any]:
 
 
 def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
-    """The report card's first line, from the sweep's own numbers: serve the draft up to the highest level N such
-    that a setting beats the target alone at every level up to N, with those levels' recommended settings; or, where
-    none does at the lowest level, do not serve it. Either way the step cost at the lowest level's best setting, from
+    """The report card's first line, from the sweep's own numbers: serve a draft up to the highest level N such
+    that a setting (of any drafter) beats the target alone at every level up to N, with those levels' recommended
+    drafters and settings; or, where none does at the lowest level, serve none. Either way the step cost at the lowest level's best setting, from
     its τ (server counters) and speedup (output tokens/s): with τ tokens per step and a step costing Y plain steps
     the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to break even (1.2 Y for ×1.2); and
     what one more doubling of the training data gives by the run's data curve (`read_data_curve`): τ + its last
@@ -102,12 +102,15 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
     speedup, tau = low.get("output_tok_s_ratio"), low.get("tau")
     cost = round(tau / speedup, 4) if tau and speedup else None
     gain = curve.get("gain_per_doubling") if curve.get("found") else None
+    drafter = {label: st.get("algorithm") or "eagle3" for label, st in (serve.get("settings") or {}).items()}
     out = {"serve": up_to is not None, "up_to_concurrency": up_to, "highest_concurrency": levels[-1],
+           "algorithms": list(dict.fromkeys(drafter.values())),
            "settings": {str(c): rec[str(c)]["setting"] for c in levels if up_to is not None and c <= up_to},
            "recommended_at": [c for c in levels if rec[str(c)]["setting"] is not None],
            "lowest_concurrency": levels[0], "setting_at_lowest": low["setting"], "speedup_at_lowest": speedup,
            "tau": tau, "step_cost": cost, "break_even_tau": cost,
            "tau_for_x1_2": round(1.2 * cost, 4) if cost else None,
            "data_curve": curve, "tau_after_doubling": round(tau + gain, 4) if tau and gain is not None else None}
+    out["algorithms_recommended"] = list(dict.fromkeys(drafter.get(s, "eagle3") for s in out["settings"].values()))
     out["line"] = verdict_line(out)
     return out

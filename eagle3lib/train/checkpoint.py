@@ -1,7 +1,7 @@
 """Where stage 05's checkpoints live, and what makes them resumable, movable and reloadable.
 
-Checkpoints are speculators' own (`draft/checkpoints/<epoch>/`), resumed from the last one on rerun
-(`prepare_checkpoint_dir` drops half-written ones and refuses another recipe). The final one's config.json names the
+Checkpoints are speculators' own, one folder per drafter (`draft/<algorithm>/checkpoints/<epoch>/`), resumed from the
+last one on rerun (`prepare_checkpoint_dir` drops half-written ones and refuses another recipe). The final one's config.json names the
 TARGET folder as verifier (absolute, outside the run dir) so it still loads after the run directory moves, and
 `workbook.json` beside it records the verifier folder relative to the checkpoint (`finalize_checkpoint`).
 """
@@ -9,10 +9,11 @@ TARGET folder as verifier (absolute, outside the run dir) so it still loads afte
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
-from eagle3lib import atomic
+from eagle3lib import atomic, drafters
 from eagle3lib.config import TrainSection
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import RunDir
@@ -21,12 +22,14 @@ from eagle3lib.train.speculators_glue import is_rank0
 from eagle3lib.train.vllm_loadable import pin_aux_layer_count
 
 
-def draft_dir(rd: RunDir) -> Path:
-    return rd.path("draft")
+def draft_dir(rd: RunDir, algorithm: str | None = None) -> Path:
+    """Stage 05's folder (draft/result.json: every drafter's result), or one drafter's (its checkpoints, curves,
+    result)."""
+    return rd.path("draft") if algorithm is None else rd.path("draft", algorithm)
 
 
-def checkpoints_dir(rd: RunDir) -> Path:
-    return rd.path("draft", "checkpoints")
+def checkpoints_dir(rd: RunDir, algorithm: str) -> Path:
+    return rd.path("draft", algorithm, "checkpoints")
 
 
 # Settings that may change between a run and its resumption (how long, how often, how the data is fed); any other
@@ -36,10 +39,12 @@ RESUMABLE_CHANGES = frozenset({"epochs", "max_steps", "val_every", "save_every",
                                "spool_bytes"})
 
 
-def prepare_checkpoint_dir(save_path: Path, tcfg: TrainSection, draft_vocab_size: int) -> list[str]:
+def prepare_checkpoint_dir(save_path: Path, tcfg: TrainSection, draft_vocab_size: int,
+                           algorithm: str = "eagle3") -> list[str]:
     """Before the Trainer looks for a checkpoint to resume: drop epoch folders a killed run left half-written
-    (speculators writes `training_state.json` last), and refuse to resume checkpoints trained with another recipe.
-    Returns the folders removed."""
+    (speculators writes `training_state.json` last), and refuse to resume checkpoints trained with another recipe
+    (the train settings that shape this drafter: adding a drafter to train.algorithms, or changing another one's own
+    settings, keeps its checkpoints). Returns the folders removed."""
     import shutil
 
     removed = []
@@ -49,8 +54,9 @@ def prepare_checkpoint_dir(save_path: Path, tcfg: TrainSection, draft_vocab_size
                 removed.append(d.name)
                 if is_rank0():
                     shutil.rmtree(d)
-    recipe = {k: v for k, v in tcfg.model_dump(mode="json").items() if k not in RESUMABLE_CHANGES}
-    recipe["draft_vocab_size"] = draft_vocab_size
+    skip = RESUMABLE_CHANGES | {"algorithms"} | drafters.foreign_fields(algorithm)
+    recipe = {k: v for k, v in tcfg.model_dump(mode="json").items() if k not in skip}
+    recipe.update(draft_vocab_size=draft_vocab_size, algorithm=algorithm)
     recipe_path = save_path / "workbook_recipe.json"
     has_ckpt = save_path.is_dir() and any(d.name.isdigit() for d in save_path.iterdir() if d.is_dir())
     if has_ckpt and recipe_path.is_file():
@@ -76,12 +82,21 @@ def finalize_checkpoint(ckpt: Path, inp: TrainInputs) -> None:
     from eagle3lib.verifier import point_checkpoint_at_target
 
     point_checkpoint_at_target(ckpt, inp.model_dir)
-    pin_aux_layer_count(ckpt)
+    pin_aux_layer_count(ckpt)  # EAGLE-3 and P-EAGLE (vLLM's EAGLE-3 classes); a DFlash config has no such field
     atomic.write_json(ckpt / "workbook.json", {
         "verifier_dir_relative": os.path.relpath(Path(inp.verifier_dir).resolve(), ckpt.resolve()),
         "target_dir": str(Path(inp.model_dir).resolve()),
         "aux_layer_ids": inp.aux_layer_ids, "draft_vocab_size": inp.draft_vocab_size,
     })
+
+
+def checkpoint_params(ckpt: Path) -> int:
+    """Parameters a checkpoint holds (its layers, fc, norms, head, and the embedding copy EAGLE-3 and P-EAGLE keep),
+    without the draft-vocabulary maps: what the draft adds to a server beside the target."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(ckpt) / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))  # noqa: SIM118
 
 
 def resolve_verifier(ckpt: Path, verifier: str | Path | None = None) -> str:
@@ -103,13 +118,13 @@ def resolve_verifier(ckpt: Path, verifier: str | Path | None = None) -> str:
 
 
 def reload_checkpoint(ckpt: str | Path, verifier: str | Path | None = None, attn_impl: str = "sdpa"):
-    """Reload a saved draft with speculators (weights, vocab maps, verifier norm/lm_head): speculators'
-    `Eagle3DraftModel`, the trainable model. (Stage 06's decoder has its own `eagle3lib.evaluate.decoder.load_draft`,
-    the draft as the workbook's decoder runs it.)"""
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
+    """Reload a saved draft with speculators (weights, vocab maps, verifier norm/lm_head): the drafter's own
+    speculators model class (`Eagle3DraftModel`, `PEagleDraftModel`, `DFlashDraftModel`), the trainable model.
+    (Stage 06's decoder has its own `eagle3lib.evaluate.decoder.load_draft`, the EAGLE-3 draft as the workbook's
+    decoder runs it.)"""
     ckpt = Path(ckpt)
-    config = Eagle3SpeculatorConfig.from_pretrained(str(ckpt))
+    model_class = drafters.model_class(drafters.algorithm_of(ckpt))
+    config = model_class.config_class.from_pretrained(str(ckpt))
     config.speculators_config.verifier.name_or_path = resolve_verifier(ckpt, verifier)
     config.transformer_layer_config._attn_implementation = attn_impl  # noqa: SLF001 - not serialized by HF
-    return Eagle3DraftModel.from_pretrained(str(ckpt), config=config)
+    return model_class.from_pretrained(str(ckpt), config=config)

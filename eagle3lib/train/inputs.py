@@ -17,6 +17,7 @@ import torch
 from eagle3lib import shards
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import RunDir
+from eagle3lib.target import tokenizer_dir
 
 
 @dataclass
@@ -32,6 +33,7 @@ class TrainInputs:
     d2t: torch.Tensor | None
     draft_vocab_size: int
     shard_rows: list[int] | None = None  # rows with a shard (None = every row)
+    tokenizer_dir: Path | None = None  # the target's tokenizer (None: model_dir): P-EAGLE's and DFlash's mask token
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -85,7 +87,8 @@ def inputs_from_run(rd: RunDir) -> TrainInputs:
         dataset_dir=rd.output("02", "dataset"), train_rows=train_rows, val_rows=val_rows,
         layer_ids=[int(i) for i in metrics["layer_ids"]], hidden_size=int(metrics["hidden_size"]),
         model_dir=model_dir, verifier_dir=verifier_dir, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab,
-        shard_rows=shards.shard_rows(metrics, train_rows + val_rows) if sampled else None)
+        shard_rows=shards.shard_rows(metrics, train_rows + val_rows) if sampled else None,
+        tokenizer_dir=tokenizer_dir(rd.cfg.target, model_dir))
 
 
 def check_shards(inp: TrainInputs, spec: shards.ShardSpec, threads: int = 8) -> None:

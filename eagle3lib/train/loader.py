@@ -1,6 +1,7 @@
 """The data path of stage 05: speculators' dataset, packing sampler and collate, in the workbook's DataLoader.
 
-speculators' ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn(shift_batch) are its own data pipeline;
+speculators' ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn (with the drafter's preprocessing:
+`shift_batch` for EAGLE-3 and P-EAGLE, none for DFlash) are its own data pipeline;
 the DataLoader around them (`_counting_loader_class`) adds two things the stage needs: the real tokens of each batch
 (tokens/s on the bar and in the curves) and, on a GPU, the copy of the next batch to the device on a side stream.
 In online mode (`train.hidden_states: online`) the dataset and the sampler are eagle3lib.train.online's, which get
@@ -100,17 +101,18 @@ def keep_first(ds: Any, n: int) -> None:
 
 
 def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int = 0, transfer: Any = None,
-                 spool: Any = None):
+                 spool: Any = None, algorithm: str = "eagle3"):
     """speculators' ArrowDataset + packing sampler + collate (its data path), in our DataLoader (token counting;
     pinned memory only where there is a GPU to copy to). `transfer`: an `online.OnlineTransfer` (online mode: the
     batches' states come from the target, already on the device, so nothing is pinned); `spool`: a `spool.Spool`
-    (spool mode: shards read from, and deleted in, the spool folder); neither = stage 02's shards."""
-    from speculators.models.eagle3.data import shift_batch
+    (spool mode: shards read from, and deleted in, the spool folder); neither = stage 02's shards. `algorithm`: the
+    drafter whose preprocessing the collate applies (eagle3lib.drafters.preprocess)."""
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.dataloader import _worker_init_fn
     from speculators.train.distributed import get_dp_rank, get_dp_size
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
+    from eagle3lib.drafters import preprocess
     from eagle3lib.shards import shard_dir
 
     dtype = getattr(torch, res.hidden_states_dtype)
@@ -157,7 +159,7 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
             prefetch_factor=tcfg.prefetch_factor if workers > 0 else None,
             pin_memory=res.device == "cuda" and not online,  # torch's pin thread refuses CUDA tensors
             collate_fn=CollateFn(tcfg.packing_length, inp.hidden_size, num_target_layers=len(inp.aux_layer_ids),
-                                 dtype=dtype, preprocess=shift_batch),
+                                 dtype=dtype, preprocess=preprocess(algorithm)),
             persistent_workers=workers > 0, multiprocessing_context="spawn" if workers > 0 else None,
             worker_init_fn=_worker_init_fn if workers > 0 else None))
         if res.device == "cuda" and tcfg.device_prefetch:

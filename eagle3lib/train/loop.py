@@ -1,9 +1,10 @@
-"""Stage 05's training loop: speculators' Trainer, driven epoch by epoch by the workbook.
+"""Stage 05's training loop: speculators' Trainer, driven epoch by epoch by the workbook, once per drafter of
+train.algorithms.
 
 Why not speculators' `run_training`: driving `Trainer.train_epoch` / `val_epoch` / `maybe_save_checkpoint` here lets
 the stage validate the UNTRAINED draft first (the baseline every later epoch must beat), draw one tqdm bar with
-tokens/s, and record per step and per epoch: loss per TTT step, full_acc_s, cond_acc_s and the expected acceptance
-length 1 + Σ_s full_acc_s (train and validation: eagle3lib.train.curves).
+tokens/s, and record per step and per epoch: the loss, the acceptance per draft position and the expected acceptance
+length (train and validation: eagle3lib.train.curves).
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ from eagle3lib import atomic, shards
 from eagle3lib.config import TrainSection, WorkbookConfig
 from eagle3lib.errors import WorkbookError
 from eagle3lib.rundir import RunDir
-from eagle3lib.train.checkpoint import checkpoints_dir, draft_dir, finalize_checkpoint, prepare_checkpoint_dir
+from eagle3lib.train.checkpoint import (
+    checkpoint_params,
+    checkpoints_dir,
+    draft_dir,
+    finalize_checkpoint,
+    prepare_checkpoint_dir,
+)
 from eagle3lib.train.curves import add_epoch, curve_point, start_curves
-from eagle3lib.train.inputs import check_shards, inputs_from_run
+from eagle3lib.train.inputs import TrainInputs, check_shards, inputs_from_run
 from eagle3lib.train.loader import make_loaders
 from eagle3lib.train.settings import Resolved, resolve_settings
 from eagle3lib.train.speculators_glue import (
     build_draft,
+    draft_positions,
     ensure_cpu_patch,
     fused_adamw,
     is_rank0,
@@ -39,23 +47,38 @@ log = logging.getLogger("eagle3lib.train")
 
 
 def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
-          resolved: Resolved | None = None) -> dict[str, Any]:
-    """Train (or resume training) the draft for this run; returns the result dict (also written to draft/result.json).
+          resolved: Resolved | None = None) -> dict[str, dict[str, Any]]:
+    """Train (or resume training) every drafter of train.algorithms for this run, one after another on the same
+    hidden states; returns {algorithm: its result dict} (each also in draft/<algorithm>/result.json, all of them in
+    draft/result.json).
 
     Works in one process and under `torchrun` (speculators' DDP: `maybe_setup_distributed` reads LOCAL_RANK);
-    only rank 0 writes the curves and the result (the figure: eagle3lib.train.result.summarize). With
+    only rank 0 writes the curves and the results (the figures: eagle3lib.train.result.summarize). With
     `train.hidden_states: online` the target computes each batch's states (eagle3lib.train.online); with `spool` a
     producer process does, into a bounded folder (eagle3lib.train.spool), stopped however this call ends (inside
     `interrupt_on_sigterm`, SIGTERM included).
     """
     cfg: WorkbookConfig = rd.cfg
-    tcfg = cfg.train
-    res = resolved or resolve_settings(tcfg, device)
+    res = resolved or resolve_settings(cfg.train, device)
     patched = _setup_process(res, cfg.run.seed)
     inp = inputs_from_run(rd)
     t0 = time.perf_counter()
     check_shards(inp, shards.spec_from_metrics(rd.read_manifest("02")["metrics"]))
-    phases = {"check_shards": time.perf_counter() - t0}
+    checked = time.perf_counter() - t0
+    results = {}
+    for algorithm in cfg.train.algorithms:
+        results[algorithm] = train_one(rd, algorithm, inp, res, patched, progress, {"check_shards": checked})
+    if is_rank0():
+        atomic.write_json(draft_dir(rd) / "result.json", results)
+    return results
+
+
+def train_one(rd: RunDir, algorithm: str, inp: TrainInputs, res: Resolved, patched: bool, progress: bool,
+              phases: dict[str, float]) -> dict[str, Any]:
+    """One drafter, with the hidden states from where train.hidden_states says (the target in this process, a spool
+    producer, or stage 02's shards)."""
+    cfg: WorkbookConfig = rd.cfg
+    tcfg = cfg.train
     transfer = spool = None
     guard: Any = contextlib.nullcontext()
     if tcfg.hidden_states == "online":  # the target must fit before anything is written (eagle3lib.train.online)
@@ -72,7 +95,7 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
         guard = interrupt_on_sigterm()
     try:
         with guard:
-            return _train(rd, cfg, tcfg, res, patched, inp, transfer, spool, progress, phases)
+            return _train(rd, algorithm, res, patched, inp, transfer, spool, progress, dict(phases))
     finally:
         if transfer is not None:
             transfer.close()
@@ -80,14 +103,16 @@ def train(rd: RunDir, *, device: str | None = None, progress: bool = True,
             spool.close()
 
 
-def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, patched: bool, inp: Any,
-           transfer: Any, spool: Any, progress: bool, phases: dict[str, float]) -> dict[str, Any]:
-    """`train`'s body. `phases`: seconds per part, into result.json's phase_seconds (on the 1.5B recipe the stage
-    took 328 s around a 198 s loop on one H200, 94 s of it validating the untrained draft: where the rest goes is
-    measured, not guessed). The loaders come first: in spool mode their batches decide whether the budget holds,
+def _train(rd: RunDir, algorithm: str, res: Resolved, patched: bool, inp: TrainInputs, transfer: Any, spool: Any,
+           progress: bool, phases: dict[str, float]) -> dict[str, Any]:
+    """`train_one`'s body. `phases`: seconds per part, into result.json's phase_seconds (on the 1.5B recipe the
+    stage took 328 s around a 198 s loop on one H200, 94 s of it validating the untrained draft: where the rest goes
+    is measured, not guessed). The loaders come first: in spool mode their batches decide whether the budget holds,
     before anything is written or started, and the producer then starts its engine while the draft is built."""
     from speculators.train.trainer import Trainer
 
+    cfg: WorkbookConfig = rd.cfg
+    tcfg = cfg.train
     mark = time.perf_counter()
 
     def lap(name: str) -> None:
@@ -96,32 +121,35 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
         phases[name] = phases.get(name, 0.0) + now - mark
         mark = now
 
-    train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed, transfer, spool)
+    train_loader, val_loader = make_loaders(inp, tcfg, res, cfg.run.seed, transfer, spool, algorithm)
     lap("loaders")
+    own = draft_dir(rd, algorithm)
     if spool is not None:  # the budget is checked against every batch, then the producer starts
         spool.start(cfg, inp, {"train": train_loader.batch_sampler, "validation": val_loader.batch_sampler},
-                    tcfg.epochs, draft_dir(rd) / "spool_producer.log")
+                    tcfg.epochs, own / "spool_producer.log")
         lap("spool_start")
-    save_path = _prepare_save_path(checkpoints_dir(rd), tcfg, inp.draft_vocab_size)
+    save_path = _prepare_save_path(checkpoints_dir(rd, algorithm), tcfg, inp.draft_vocab_size, algorithm)
 
-    model, tconf, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed)
+    model, tconf, spec_cfg = build_draft(inp, tcfg, res, save_path, cfg.run.seed, algorithm)
+    positions = draft_positions(spec_cfg, algorithm)
     if is_rank0():
         spec_cfg.save(str(save_path))  # speculators' run.yaml + train_command.txt beside the checkpoints
     lap("build_draft")
 
-    curves_path = draft_dir(rd) / "curves.json"
+    curves_path = own / "curves.json"
     with quiet_bars_and_capture() as capture:
         with fused_adamw(res.device):
             trainer = Trainer(model, tconf, train_loader, val_loader)
         lap("trainer_init")
         start_epoch = trainer.current_epoch
         resumed = start_epoch > 0 or trainer.global_step > 0
-        curves = start_curves(curves_path, tcfg.ttt_steps, res, resumed=resumed, start_epoch=start_epoch,
+        curves = start_curves(curves_path, algorithm, positions, res, resumed=resumed, start_epoch=start_epoch,
                               global_step=trainer.global_step)
         if not resumed:
-            curves["val"].append(_validate_untrained(trainer, tcfg.ttt_steps))
+            curves["val"].append(_validate_untrained(trainer, algorithm, positions))
         lap("untrained_validation")
-        recorder = _StepRecorder(trainer, train_loader, capture, curves, tcfg, show=progress and is_rank0())
+        recorder = _StepRecorder(trainer, train_loader, capture, curves, tcfg,
+                                 show=progress and is_rank0(), desc=f"train {algorithm}")
         last_saved = _train_epochs(trainer, tcfg, recorder, curves, curves_path, start_epoch,
                                    trainer.checkpointer.previous_epoch if resumed else None)
         recorder.close()
@@ -135,13 +163,18 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
     if is_rank0():
         finalize_checkpoint(final, inp)
         atomic.write_json(curves_path, curves)
-        result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, recorder.tokens,
-                         elapsed, tcfg.ttt_steps)
-        result["hidden_states"] = tcfg.hidden_states
+        # a resumed drafter counts the tokens and seconds of the calls that trained it before (its last result)
+        before = _json_or_empty(own / "result.json") if resumed else {}
+        tokens = recorder.tokens + (before.get("train_tokens") or 0)
+        seconds = elapsed + (before.get("train_seconds") or 0.0)
+        result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, tokens, seconds)
+        result.update(algorithm=algorithm, positions=positions, hidden_states=tcfg.hidden_states,
+                      draft_params=checkpoint_params(final),
+                      trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad))
         # what speculators built from train.optimizer (muon: Muon on the 2-D weights, AdamW on the rest)
         result["optimizers"] = [type(opt).__name__ for opt in trainer.optimizers]
         # what the draft saw (a data-volume curve's x: train.train_fraction of stage 02's rows)
-        result.update(train_rows=len(train_loader.dataset), train_tokens=recorder.tokens)
+        result.update(train_rows=len(train_loader.dataset), train_tokens=tokens)
         lap("finalize")
         result["phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
         if transfer is not None:  # the target's share of the time (train and validation batches, this process)
@@ -152,8 +185,17 @@ def _train(rd: RunDir, cfg: WorkbookConfig, tcfg: TrainSection, res: Resolved, p
                                        "batches_ahead": tcfg.online_batches_ahead}
         if spool is not None:  # the budget, the peak the producer saw, its time and tokens, the trainer's wait
             result["spool"] = spool.summary()
-        atomic.write_json(draft_dir(rd) / "result.json", result)
+        atomic.write_json(own / "result.json", result)
     return result
+
+
+def _json_or_empty(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _setup_process(res: Resolved, seed: int) -> bool:
@@ -177,11 +219,11 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _prepare_save_path(save_path: Path, tcfg: TrainSection, draft_vocab_size: int) -> Path:
+def _prepare_save_path(save_path: Path, tcfg: TrainSection, draft_vocab_size: int, algorithm: str) -> Path:
     """The checkpoints folder, cleaned of what an interrupted run left, before any rank looks for one to resume."""
     save_path.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temps(save_path)
-    for name in prepare_checkpoint_dir(save_path, tcfg, draft_vocab_size):
+    for name in prepare_checkpoint_dir(save_path, tcfg, draft_vocab_size, algorithm):
         log.warning("removed the half-written checkpoint %s/%s of an interrupted run", save_path, name)
     _barrier()  # rank 0 cleaned up before any rank looks for a checkpoint
     return save_path
@@ -197,14 +239,14 @@ def _validate(trainer: Any, epoch: int) -> dict[str, float] | None:
     return None if val is None else {**val, **{f"{k}_epoch": v for k, v in walk.metrics().items()}}
 
 
-def _validate_untrained(trainer: Any, ttt_steps: int) -> dict[str, Any]:
+def _validate_untrained(trainer: Any, algorithm: str, positions: int) -> dict[str, Any]:
     """The untrained draft's validation: the baseline every later epoch must beat. (Sampler epoch 0: the packing
     sampler's empty cache is keyed -1, and validation batches do not depend on the epoch anyway.)"""
     untrained = _validate(trainer, 0)
     if not untrained:
         raise WorkbookError("validating the untrained draft produced no batches",
                             "check that stage 02's validation rows have hidden-state shards")
-    return {"epoch": -1, "step": 0, **curve_point(untrained, ttt_steps, "_epoch")}
+    return {"epoch": -1, "step": 0, **curve_point(untrained, algorithm, positions, "_epoch")}
 
 
 class _StepRecorder:
@@ -212,15 +254,15 @@ class _StepRecorder:
     and moves the tqdm bar. Its clock counts training time only (`restart` before each epoch)."""
 
     def __init__(self, trainer: Any, loader: Any, capture: Any, curves: dict[str, Any], tcfg: TrainSection,
-                 show: bool) -> None:
+                 show: bool, desc: str = "train draft") -> None:
         from tqdm.auto import tqdm
 
         self.trainer, self.loader, self.capture, self.curves = trainer, loader, capture, curves
-        self.ttt_steps = tcfg.ttt_steps
+        self.algorithm, self.positions = curves["algorithm"], curves["positions"]
         steps_per_epoch = len(loader)
         total = steps_per_epoch * tcfg.epochs if tcfg.max_steps is None else min(tcfg.max_steps,
                                                                                   steps_per_epoch * tcfg.epochs)
-        self.bar = tqdm(total=total, initial=min(trainer.global_step, total), desc="train draft", unit="step",
+        self.bar = tqdm(total=total, initial=min(trainer.global_step, total), desc=desc, unit="step",
                         disable=not show, dynamic_ncols=True)
         self.t0 = self.t = time.perf_counter()
         self.tokens = 0
@@ -237,7 +279,7 @@ class _StepRecorder:
         records = self.capture.records
         rec = records[-1] if records and "train" in records[-1] else None
         if rec is not None and is_rank0():
-            summ = curve_point(rec["train"], self.ttt_steps)
+            summ = curve_point(rec["train"], self.algorithm, self.positions)
             self.curves["steps"].append({"step": self.trainer.global_step, "epoch": rec["epoch"], "lr": rec["lr"],
                                          "tokens": n_tok, "tokens_per_s": n_tok / dt if dt > 0 else None, **summ})
             self.bar.set_postfix(loss=f"{summ['loss']:.3f}", eal=f"{summ['eal']:.2f}",
@@ -283,7 +325,7 @@ def _train_epochs(trainer: Any, tcfg: TrainSection, recorder: _StepRecorder, cur
 
 
 def _result(final: Path, curves_path: Path, curves: dict[str, Any], res: Resolved, patched: bool, last_saved: int,
-            global_step: int, trained_tokens: int, elapsed: float, ttt_steps: int) -> dict[str, Any]:
+            global_step: int, trained_tokens: int, elapsed: float) -> dict[str, Any]:
     """draft/result.json: the checkpoint, the headline numbers (validation EAL before and after training) and the
     settings the run used."""
     val_first = curves["val"][0] if curves["val"] else {}
@@ -293,7 +335,7 @@ def _result(final: Path, curves_path: Path, curves: dict[str, Any], res: Resolve
         "epochs_done": last_saved + 1, "global_step": global_step,
         "val_eal_untrained": val_first.get("eal") if val_first.get("epoch") == -1 else None,
         "val_eal": val_last.get("eal"), "val_loss": val_last.get("loss"),
-        "val_full_acc": [val_last.get(f"full_acc_{s}") for s in range(ttt_steps)],
+        "val_full_acc": [val_last.get(f"full_acc_{s}") for s in range(curves["positions"])],
         "val_tau_walk": val_last.get("tau_walk"),
         "train_eal": curves["train_epochs"][-1]["eal"] if curves["train_epochs"] else None,
         "tokens_per_s": trained_tokens / elapsed if elapsed > 0 and trained_tokens else None,

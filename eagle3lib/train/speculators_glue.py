@@ -1,9 +1,10 @@
-"""Where stage 05 meets speculators 0.9: its typed config and draft model, and the small patches around its Trainer.
+"""Where stage 05 meets speculators 0.9: its typed config and draft models, and the small patches around its Trainer.
 
-What this module adds around speculators (and nothing else: no second EAGLE-3 implementation):
-  * `speculators_train_config` / `build_draft` / `trainer_config`: `Eagle3DraftModel.from_training_args` through
-    speculators' own `build_draft_model` (so every default — norm_before_fc, norm_output, sliding window, rope — is
-    speculators'), and its TrainerConfig (optimizer, muon, schedule) mapped as `speculators train` maps it, with every
+What this module adds around speculators (and nothing else: no second implementation of any drafter):
+  * `speculators_train_config` / `build_draft` / `trainer_config`: the drafter's `from_training_args` (eagle3,
+    peagle or dflash: eagle3lib.drafters) through speculators' own `build_draft_model` (so every default — draft
+    layers and architecture, norms, sliding window, rope, DFlash's block size and loss — is speculators' own for that
+    drafter), and its TrainerConfig (optimizer, muon, schedule) mapped as `speculators train` maps it, with every
     knob from `cfg.train`;
   * `quiet_bars_and_capture`: speculators' per-step metric dicts routed to the stage, its rich bars silenced;
   * `fused_adamw`: torch's fused AdamW kernel on a GPU;
@@ -22,27 +23,45 @@ from typing import Any
 
 import torch
 
+from eagle3lib import drafters
 from eagle3lib.config import TrainSection
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.settings import Resolved
 
 SCHEDULERS = {"constant": "none", "linear": "linear", "cosine": "cosine"}
-# cfg.train fields passed to speculators' TrainConfig under the same name
+# cfg.train fields passed to speculators' TrainConfig under the same name (None: speculators' default for the drafter)
 SAME_NAMES = ("num_layers", "ttt_steps", "ttt_step_loss_decay", "norm_before_fc", "fc_norm", "norm_output",
               "norm_before_residual", "embed_requires_grad", "lr", "weight_decay", "muon_lr",
-              "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr_fn", "epochs", "max_steps")
+              "muon_momentum", "muon_weight_decay", "muon_ns_steps", "muon_adjust_lr_fn", "epochs", "max_steps",
+              "num_depths", "block_size", "max_anchors")
 
 
-def speculators_train_config(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int):
-    """speculators' own typed TrainConfig (its defaults fill every field we do not set)."""
+def mask_token_id(inp: TrainInputs, tcfg: TrainSection, algorithm: str) -> int:
+    """The token a drafter's mask positions carry: train.mask_token_id, else speculators' own rule on the target's
+    tokenizer (`resolve_mask_token_id`: its mask token, a new one in a spare embedding row, else pad/eos), as its
+    train CLI resolves it. EAGLE-3 has no mask positions: 0, so no tokenizer is needed for it."""
+    if algorithm == "eagle3":
+        return 0
+    if tcfg.mask_token_id is not None:
+        return tcfg.mask_token_id
+    from speculators.train.utils import resolve_mask_token_id
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(inp.model_dir)).get_text_config().vocab_size
+    return int(resolve_mask_token_id(str(inp.tokenizer_dir or inp.model_dir), vocab, None))
+
+
+def speculators_train_config(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int,
+                             algorithm: str = "eagle3"):
+    """speculators' own typed TrainConfig for one drafter (its defaults fill every field we leave None)."""
     from speculators.train.config import TrainConfig
 
     flat: dict[str, Any] = {name: getattr(tcfg, name) for name in SAME_NAMES}
     flat.update({
-        "speculator_type": "eagle3", "seed": seed, "optimizer": res.optimizer,
+        "speculator_type": algorithm, "seed": seed, "optimizer": res.optimizer,
         "verifier_name_or_path": str(inp.verifier_dir), "target_layer_ids": inp.aux_layer_ids,
         "draft_vocab_size": inp.draft_vocab_size, "draft_attn_impl": res.attn_impl,
-        "mask_token_id": 0,  # unused by eagle3; set so no tokenizer is needed beside the verifier tensors
+        "mask_token_id": mask_token_id(inp, tcfg, algorithm),
         "data_path": str(inp.dataset_dir), "total_seq_len": tcfg.packing_length,
         "train_data_ratio": inp.train_ratio, "hidden_states_dtype": res.hidden_states_dtype,
         "num_workers": res.num_workers, "prefetch_factor": tcfg.prefetch_factor,
@@ -67,17 +86,25 @@ def trainer_config(args: argparse.Namespace, train_kwargs: dict[str, Any], val_k
     return TrainerConfig(**fields)
 
 
-def build_draft(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int = 0):
-    """`Eagle3DraftModel.from_training_args` via speculators' `build_draft_model` (verifier config, layer config,
-    vocab maps, verifier weights — all speculators' code). Returns (model, trainer config, its TrainConfig)."""
-    from speculators.models.eagle3 import Eagle3DraftModel
+def build_draft(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: Path, seed: int = 0,
+                algorithm: str = "eagle3"):
+    """The drafter's `from_training_args` via speculators' `build_draft_model` (verifier config, layer config, vocab
+    maps, verifier weights — all speculators' code). Returns (model, trainer config, its TrainConfig)."""
     from speculators.train.cli import build_draft_model
 
-    spec_cfg = speculators_train_config(inp, tcfg, res, save_path, seed)
+    spec_cfg = speculators_train_config(inp, tcfg, res, save_path, seed, algorithm)
     args = argparse.Namespace(**spec_cfg.flatten())
-    model = build_draft_model(args, Eagle3DraftModel, inp.t2d, inp.d2t, inp.draft_vocab_size)
-    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**vars(args))
+    model_class = drafters.model_class(algorithm)
+    model = build_draft_model(args, model_class, inp.t2d, inp.d2t, inp.draft_vocab_size)
+    train_kwargs, val_kwargs = model_class.get_trainer_kwargs(**vars(args))
     return model, trainer_config(args, train_kwargs, val_kwargs), spec_cfg
+
+
+def draft_positions(spec_cfg: Any, algorithm: str) -> int:
+    """How many draft tokens per step the drafter trains (its curves' positions): TTT steps, depths, or the block's
+    slots after the anchor, as speculators resolved them."""
+    flat = spec_cfg.flatten()
+    return {"eagle3": flat["ttt_steps"], "peagle": flat["num_depths"], "dflash": flat["block_size"] - 1}[algorithm]
 
 
 def is_rank0() -> bool:

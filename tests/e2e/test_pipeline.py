@@ -113,7 +113,7 @@ def test_training_and_evaluation_results(pipeline_run):
     assert sum(g["by_method"]["embedded"]["accepted"] for g in hg["groups"].values()) == by["embedded"]["accepted"]
     # `eagle3 compare`: one row per run plus the n-gram row, the numbers as recorded
     from eagle3lib.cli import main
-    from eagle3lib.evaluate.report import compare_runs
+    from eagle3lib.evaluate.compare import compare_runs
 
     table = compare_runs([pipeline_run])
     assert f"| {pipeline_run.name} | [2, 15, 27] |" in table and f"{by['embedded']['tau']:.3f}" in table

@@ -120,9 +120,10 @@ def test_the_math_and_code_sets_are_asked_grouped_and_reported_like_any_benchmar
     the counts are made up (prompt i accepts i % 4 of 3 draft tokens in one step)."""
     from eagle3lib import atomic
     from eagle3lib.evaluate import benchmarks
+    from eagle3lib.evaluate.compare import compare_runs
     from eagle3lib.evaluate.decoder import Acceptance
     from eagle3lib.evaluate.keys import EMBEDDED
-    from eagle3lib.evaluate.report import benchmark_lines, compare_runs
+    from eagle3lib.evaluate.report import benchmark_lines
     from eagle3lib.extract import sources
 
     def acc(accepted: int) -> dict:

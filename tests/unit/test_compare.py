@@ -69,7 +69,7 @@ def _tables(text: str) -> list[list[dict[str, str]]]:
 
 def test_compare_shows_tau_per_benchmark_the_serving_speedup_per_level_and_tau_by_category(tmp_path, capsys):
     from eagle3lib.cli import main
-    from eagle3lib.evaluate.report import compare_runs
+    from eagle3lib.evaluate.compare import compare_runs
 
     roots = _runs(tmp_path)
     text = compare_runs(roots)
@@ -110,7 +110,7 @@ def test_compare_shows_tau_per_benchmark_the_serving_speedup_per_level_and_tau_b
 
 def test_compare_without_benchmarks_or_a_sweep_has_no_such_columns_and_no_category_table(tmp_path):
     """A run that stopped before stage 06 (no eval/results.json): its row is the manifests' numbers and —."""
-    from eagle3lib.evaluate.report import compare_runs
+    from eagle3lib.evaluate.compare import compare_runs
 
     root = tmp_path / "early"
     atomic.write_json(manifest_file(root, get_stage("05")), {"seconds": 12.5, "metrics": {"val_eal": 1.5}})
@@ -158,7 +158,7 @@ def test_compare_says_when_runs_asked_different_held_out_prompts(tmp_path):
     """Stage 06's held_out_digest: runs on the same held-out prompts compare as they are; different prompts, or one
     run that recorded its prompts beside one that predates the digest, get one line that says which held-out τ do
     not compare (the benchmarks' questions are the same)."""
-    from eagle3lib.evaluate.report import compare_runs
+    from eagle3lib.evaluate.compare import compare_runs
 
     def run(name: str, digest: str | None) -> Path:
         return _write_run(tmp_path / name, [2, 15, 27, 30], 2.0, {"05": 10.0},

@@ -314,8 +314,8 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     from test_evaluate import _draft_model
 
     from eagle3lib import evaluate
+    from eagle3lib.evaluate.compare import compare_runs
     from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
-    from eagle3lib.evaluate.report import compare_runs
     from eagle3lib.rundir import open_stage
 
     _draft_model(smollm2_dir, [2, 15, 27], 2048).save_pretrained(str(tmp_path / "draft"))
