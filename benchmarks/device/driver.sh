@@ -186,12 +186,12 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q DRAFTERS=%q ALG_EPOCHS=%q ALG_GRID=%q ALG_BENCH_PROMPTS=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q DRAFTERS=%q ALG_EPOCHS=%q ALG_TRAIN_FRACTION=%q ALG_GRID=%q ALG_BENCH_PROMPTS=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli}" \
     "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${GRAPH_GRID:-2}" "${DRAFTERS:-eagle3 peagle dflash}" \
-    "${ALG_EPOCHS:-1}" "${ALG_GRID:-}" "${ALG_BENCH_PROMPTS:-40}" > "$RES/plan.env"
+    "${ALG_EPOCHS:-1}" "${ALG_TRAIN_FRACTION:-1}" "${ALG_GRID:-}" "${ALG_BENCH_PROMPTS:-40}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
   cp benchmarks/device/driver.sh "$RES/driver.sh"
@@ -413,11 +413,11 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
     algorithms)
       # EAGLE-3, P-EAGLE and DFlash from the same states (benchmarks/algorithms.py): stages 00-04 of $RUN (its
       # committed replies), each drafter of DRAFTERS trained on a fork of its own side by side on GPU 0 (ALG_EPOCHS,
-      # default 1), then $RUN-drafters (`algorithms.py join`: every drafter's finished checkpoints) through stages 05
+      # default 1, over ALG_TRAIN_FRACTION of the training rows, default all), then $RUN-drafters (`algorithms.py join`: every drafter's finished checkpoints) through stages 05
       # (each resumed: nothing left to train) and 06 with every server alone, one after another (ALG_GRID: the
       # drafters' serve settings; ALG_BENCH_PROMPTS questions per benchmark) -> $RES/algorithms_$RUN.json
       drafters=${DRAFTERS:-eagle3 peagle dflash}
-      ta=(-p "train.epochs=${ALG_EPOCHS:-1}")
+      ta=(-p "train.epochs=${ALG_EPOCHS:-1}" -p "train.train_fraction=${ALG_TRAIN_FRACTION:-1}")
       ea=(-p "evaluate.serve_side_by_side_kv_gib=null" -p "evaluate.benchmark_prompts=${ALG_BENCH_PROMPTS:-40}"
           -p "evaluate.serve_grid=${ALG_GRID:-[{algorithm: eagle3, num_speculative_tokens: 3}, {algorithm: peagle, num_speculative_tokens: 5}, {algorithm: dflash}]}")
       unpack_replies "$RUN"

