@@ -58,7 +58,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     return {"run": run_dir.name, "target": (ms.get("02", {}).get("outputs") or {}).get("model_dir"),
             "train_tokens": draft.get("train_tokens"), "train_rows": draft.get("train_rows"),
             "optimizer_steps": draft.get("global_step"), "epochs": draft.get("epochs_done"),
-            "optimizers": draft.get("optimizers"), "val_eal": draft.get("val_eal"),
+            "optimizers": draft.get("optimizers"), "val_eal": draft.get("val_eal") or (m05.get("eagle3") or m05).get("val_eal"),
             "val_tau_walk": draft.get("val_tau_walk"),
             "train_seconds": draft.get("train_seconds"),
             "tau_by_benchmark": taus if row else {}, "tau_row": row,

@@ -125,12 +125,15 @@ def _drafter_row(root: Path, man: dict[str, Any], results: dict[str, Any], algor
     live = (by.get(VLLM) or by.get(EMBEDDED) or by.get(SERVE) or {}) if eagle3 else by.get(row) or {}
     taus = {b: _live_tau(g.get("by_method") or {}, algorithm)[1]
             for b, g in (results.get("tau_by_benchmark") or {}).items()}
-    best = best_by_level(results.get("serve") or {}, algorithm)
+    serve = results.get("serve") or {}
+    speedup = {c: b["speedup"] for c, b in best_by_level(serve, algorithm).items()}
+    if not speedup and eagle3:  # a sweep recorded without its settings: its own best per level
+        speedup = serve.get("speedup_by_concurrency") or {}
     return [label, (man.get("02", {}).get("metrics", {}).get("layer_ids") or [None])[:-1] or None,
             own05.get("val_eal"), by.get(EMBEDDED, {}).get("tau") if eagle3 else None,
             by.get(VLLM, {}).get("tau") if eagle3 else None, by.get(row, {}).get("tau"),
             *(taus.get(b) for b in benches), live.get("tokens_per_step"), per_position(live),
-            *((best.get(str(c)) or {}).get("speedup") for c in levels),
+            *(speedup.get(str(c)) for c in levels),
             own05.get("train_seconds") if own05 is not m05 else man.get("05", {}).get("seconds"),
             round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None]
 

@@ -148,7 +148,7 @@ def test_stages_02_to_05_on_qwen(qwen_run, qwen05_dir, qwen_tok):
     assert sorted((np.arange(32_000) + d2t).tolist()) == np.flatnonzero(t2d).tolist()  # d2t: offsets onto t2d
     ckpt = rd.output("05", "checkpoint")
     assert train.check_vllm_config(ckpt, hidden_size=896, aux_layer_ids=[2, 12, 21], draft_vocab_size=32_000,
-                                   ttt_steps=3, target_vocab_size=151_936) == []
+                                   draft_tokens=3, target_vocab_size=151_936) == []
 
 
 @pytest.mark.slow

@@ -104,7 +104,7 @@ def test_training_sigkilled_mid_epoch_resumes_with_the_same_next_steps(two_ident
     import psutil
 
     (cfg_a, rd_a), (cfg_b, rd_b) = two_identical_runs
-    whole = train.train(rd_a, progress=False)
+    whole = train.train(rd_a, progress=False)["eagle3"]
 
     config_b = tmp_path / "killed.yaml"
     config_b.write_text(cfg_b.to_yaml())
@@ -131,15 +131,15 @@ def test_training_sigkilled_mid_epoch_resumes_with_the_same_next_steps(two_ident
     assert child.returncode == -signal.SIGKILL
     _, alive = psutil.wait_procs(below, timeout=30)
     assert not alive, f"processes of the killed training left running: {[p.pid for p in alive]}"
-    ckpts = rd_b.path("draft", "checkpoints")
+    ckpts = rd_b.path("draft", "eagle3", "checkpoints")
     assert sorted(d.name for d in ckpts.iterdir() if d.is_dir() and not d.is_symlink()) == ["0"]
-    killed_curves = json.loads(rd_b.path("draft", "curves.json").read_text())
+    killed_curves = json.loads(rd_b.path("draft", "eagle3", "curves.json").read_text())
     assert [e["epoch"] for e in killed_curves["train_epochs"]] == [0]
 
-    resumed = train.train(rd_b, progress=False)
+    resumed = train.train(rd_b, progress=False)["eagle3"]
     assert resumed["global_step"] == whole["global_step"] and resumed["epochs_done"] == 3
-    ca = json.loads(rd_a.path("draft", "curves.json").read_text())
-    cb = json.loads(rd_b.path("draft", "curves.json").read_text())
+    ca = json.loads(rd_a.path("draft", "eagle3", "curves.json").read_text())
+    cb = json.loads(rd_b.path("draft", "eagle3", "curves.json").read_text())
     per_epoch = whole["global_step"] // 3
     assert per_epoch >= 3
     assert [s["step"] for s in cb["steps"]] == [s["step"] for s in ca["steps"]] == list(range(1, 3 * per_epoch + 1))
@@ -309,7 +309,7 @@ def test_stage_05_names_corrupt_shards_and_stage_02_regenerates_them(tiny_run):
     msg = str(err.value)
     assert "7 of 16 hidden-state shards" in msg and "rows [3, 4, 5, 6, 8, 10, 13]" in msg, msg
     assert "hs_3: unreadable" in msg and "rerun stage 02" in msg and "\n" not in msg
-    assert not rd.path("draft", "checkpoints").exists() or not any(rd.path("draft", "checkpoints").iterdir())
+    assert not rd.path("draft", "eagle3", "checkpoints").exists() or not any(rd.path("draft", "eagle3", "checkpoints").iterdir())
 
     # "regenerated on request": stage 02's resume keeps the 9 valid shards and redoes the 7 others
     from datasets import load_from_disk
@@ -325,7 +325,7 @@ def test_stage_05_names_corrupt_shards_and_stage_02_regenerates_them(tiny_run):
     for i in (3, 4, 5, 6, 8, 10, 13):  # the states stage 02 recomputed are the ones it wrote the first time
         torch.testing.assert_close(shards.read_shard(path(i))["hidden_states"].float(),
                                    good[i]["hidden_states"].float(), rtol=2e-2, atol=2e-2)
-    result = train.train(rd, progress=False)
+    result = train.train(rd, progress=False)["eagle3"]
     assert result["epochs_done"] == 1 and result["global_step"] > 0
 
 

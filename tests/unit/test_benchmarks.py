@@ -64,7 +64,7 @@ def test_stage_06_measures_tau_by_benchmark_with_mt_bench_second_turns(smollm2_d
                  "benchmarks": {n: {k: v for k, v in b.items() if k != "path"} for n, b in benches.items()}})
     rd.write_manifest(get_stage("04"), started=0.0, outputs={"verifier_dir": rd.path("verifier")}, metrics={})
     draft = untrained_draft(smollm2_dir, tmp_path / "draft", [2, 15, 27])
-    rd.write_manifest(get_stage("05"), started=0.0, outputs={"checkpoint": str(draft)}, metrics={})
+    rd.write_manifest(get_stage("05"), started=0.0, outputs={"checkpoint_eagle3": str(draft)}, metrics={"algorithms": ["eagle3"]})
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared 2-core box: one thread is faster for a 135M model at batch 1

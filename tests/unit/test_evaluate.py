@@ -390,7 +390,7 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
 
     one = tmp_path / "draft_one_layer"
     _draft_model(smollm2_dir, [29], 2048).save_pretrained(str(one))
-    check = dict(hidden_size=576, aux_layer_ids=[29], draft_vocab_size=2048, ttt_steps=3, target_vocab_size=49152)
+    check = dict(hidden_size=576, aux_layer_ids=[29], draft_vocab_size=2048, draft_tokens=3, target_vocab_size=49152)
     assert any("sizes the draft's fc for 3" in p for p in train.check_vllm_config(one, **check))
     train.pin_aux_layer_count(one)
     assert train.check_vllm_config(one, **check) == []

@@ -38,7 +38,7 @@ def test_a_forked_run_shares_stages_00_04_by_hard_links_and_leaves_the_draft_beh
 
     src = tmp_path / "a"
     for rel in ("dataset/hidden_states/hs_0.safetensors", "manifests/02_extract_hidden_states.json",
-                "manifests/05_train_draft.json", "figures/06_tau_vs_k.png", "draft/curves.json", "report.md",
+                "manifests/05_train_draft.json", "figures/06_tau_vs_k.png", "draft/eagle3/curves.json", "report.md",
                 "eval/partial.json", "data/eval.jsonl"):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text(rel)

@@ -65,7 +65,7 @@ def test_stage_03_validates_and_stage_05_trains_on_fp8_shards(tmp_path, tiny_lla
         stage04.finish(verifier.run(stage04, check_speculators=False))
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"epochs": 2, "packing_length": 256,
                                                                            "lr": 3e-3})})
-        results[fp8] = (res03, train.train(RunDir(rd.root, cfg), progress=False))
+        results[fp8] = (res03, train.train(RunDir(rd.root, cfg), progress=False)["eagle3"])
     (s_bf, t_bf), (s_f8, t_f8) = results[False], results[True]
     assert t_f8["val_eal"] > t_f8["val_eal_untrained"]  # it learned from FP8 states
     assert abs(t_f8["val_eal"] - t_bf["val_eal"]) < 0.1 * t_bf["val_eal"]

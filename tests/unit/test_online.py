@@ -110,8 +110,8 @@ def test_online_and_offline_training_take_the_same_steps(tmp_path, tiny_llama_di
             assert res03.metrics["shards"] == 4 and res03.metrics["invalid"] == 0
             assert res03.inspection.mode.startswith("online: the 4 sample shards stage 02 wrote")
         cfg = _with_train(cfg, **TRAIN)
-        results[mode] = train.train(RunDir(rd.root, cfg), progress=False)
-        curves[mode] = json.loads(rd.path("draft", "curves.json").read_text())
+        results[mode] = train.train(RunDir(rd.root, cfg), progress=False)["eagle3"]
+        curves[mode] = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
     off, on = curves["offline"]["steps"], curves["online"]["steps"]
     assert len(off) == len(on) >= 6
     for a, b in zip(off, on, strict=True):

@@ -37,7 +37,7 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     fork = peers.train_arm(rd.root, "speculators_cli")  # the fork runs with the run's own config.yaml
     frd = RunDir(fork, load_config(fork / "config.yaml", [f"run.name={fork.name}"]))
     # speculators' defaults, not the workbook's: its optimizer (muon), its learning rate and seed; the run's rows
-    flat = TrainConfig.resolve(["--config", str(fork / "draft" / "checkpoints" / "run.yaml")]).flatten()
+    flat = TrainConfig.resolve(["--config", str(fork / "draft" / "eagle3" / "checkpoints" / "run.yaml")]).flatten()
     assert (flat["optimizer"], flat["lr"], flat["seed"], flat["epochs"]) == ("muon", 1e-3, 42, cfg.train.epochs)
     assert flat["train_data_ratio"] == pytest.approx(train.inputs_from_run(frd).train_ratio)
     assert flat["data_path"] == str(frd.output("02", "dataset")) and flat["hidden_states_backend"] == "fp8"
@@ -57,7 +57,7 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     variant = peers.train_arm(rd.root, "workbook_adamw")
     vrd = RunDir(variant, load_config(variant / "config.yaml", [f"run.name={variant.name}"]))
     assert (vrd.cfg.train.optimizer, vrd.cfg.train.scheduler, vrd.cfg.train.warmup_steps) == ("adamw", "cosine", 100)
-    assert json.loads((variant / "draft" / "result.json").read_text())["optimizers"] == ["AdamW"]
+    assert json.loads((variant / "draft" / "eagle3" / "result.json").read_text())["optimizers"] == ["AdamW"]
 
     out = tmp_path / "peers.json"
     result = peers.report(rd.root, ["speculators_cli", "workbook_adamw", "workbook_epochs_x2"], out, "tiny CPU check")
@@ -75,7 +75,7 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     # last line
     assert "failed" in result["arms"]["workbook"]
     (fork / "manifests" / "05_train_draft.json").unlink()
-    (fork / "draft" / "speculators_train.log").write_text("...\nValueError: what went wrong\n")
+    (fork / "draft" / "eagle3" / "speculators_train.log").write_text("...\nValueError: what went wrong\n")
     failed = peers.report(rd.root, ["speculators_cli"], out, "tiny CPU check")["arms"]["speculators_cli"]
     assert "failed" in failed and "ValueError: what went wrong" in failed["failed"]
     assert out.with_suffix(".md").read_text().count("\n") == 3 + 2  # header, rule, one row per arm

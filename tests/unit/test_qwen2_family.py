@@ -46,11 +46,11 @@ def test_a_tied_qwen2_target_through_stages_04_to_06(tmp_path):
     stage04.finish(verifier.run(stage04, check_speculators=False))
     assert rd.read_manifest("04")["metrics"]["tied"] is True
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"epochs": 1, "packing_length": 256})})
-    result = train.train(RunDir(rd.root, cfg), progress=False)
+    result = train.train(RunDir(rd.root, cfg), progress=False)["eagle3"]
     ckpt = Path(result["checkpoint"])
     layer = json.loads((ckpt / "config.json").read_text())["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["hidden_size"] == 64  # speculators' draft layer for any verifier
-    assert train.check_vllm_config(ckpt, hidden_size=64, aux_layer_ids=[1, 2, 3], draft_vocab_size=256, ttt_steps=3,
+    assert train.check_vllm_config(ckpt, hidden_size=64, aux_layer_ids=[1, 2, 3], draft_vocab_size=256, draft_tokens=3,
                                    target_vocab_size=512) == []
     # stage 06's embedded decoder with this draft: exactly the tied target's greedy output
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

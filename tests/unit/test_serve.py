@@ -290,7 +290,7 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
         metrics={"layer_ids": [2, 15, 27, 30], "train_rows": 0, "val_rows": 0,
                  "benchmarks": {n: {"source": b["source"], "dedup_dropped": 0} for n, b in benches.items()}})
     rd.write_manifest(get_stage("04"), started=time.time(), outputs={"verifier_dir": rd.path("verifier")}, metrics={})
-    rd.write_manifest(get_stage("05"), started=time.time(), outputs={"checkpoint": str(draft_dir)}, metrics={})
+    rd.write_manifest(get_stage("05"), started=time.time(), outputs={"checkpoint_eagle3": str(draft_dir)}, metrics={"algorithms": ["eagle3"]})
     config = root / "serve.yaml"
     config.write_text(cfg.to_yaml())
     return config
@@ -392,16 +392,16 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         k = st["k"]
         assert st["speculative_config"]["num_speculative_tokens"] == k
         for c, lv in st["by_level"].items():
-            for role in ("eagle3", "baseline"):
+            for role in ("draft", "baseline"):
                 r = lv[role]
                 assert r["completed"] == 4 and r["failed"] == 0 and r["output_throughput"] > 0, (name, c, role, r)
                 assert r["ttft_ms"]["p50"] > 0 and r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
-            acc = lv["eagle3"]["acceptance"]
+            acc = lv["draft"]["acceptance"]
             assert acc["drafts"] > 0 and acc["draft_tokens"] == k * acc["drafts"] and 0 <= acc["accepted"]
             assert lv["baseline"]["acceptance"] is None  # no draft, no spec-decode counters on /metrics
             assert lv["baseline"] == srv["by_level"][c]["baseline"]  # the target alone, measured once for all
             assert lv["output_tok_s_ratio"] == pytest.approx(
-                lv["eagle3"]["output_throughput"] / lv["baseline"]["output_throughput"], rel=1e-3)
+                lv["draft"]["output_throughput"] / lv["baseline"]["output_throughput"], rel=1e-3)
             # the step cost: TPOT with x tokens per step / TPOT without, so the TPOT speedup = tokens per step / cost
             assert 1.0 <= acc["tokens_per_step"] <= k + 1 and lv["step_cost"] > 0
             assert lv["tpot_ratio"] == pytest.approx(acc["tokens_per_step"] / lv["step_cost"], rel=1e-2)
@@ -414,7 +414,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     # the recommendation, read back from the measured numbers: per level the most output tokens/s, if it beats the
     # target alone; the top-level curves are that setting's
     for c in ("1", "2"):
-        tok_s = {name: st["by_level"][c]["eagle3"]["output_throughput"] for name, st in settings.items()}
+        tok_s = {name: st["by_level"][c]["draft"]["output_throughput"] for name, st in settings.items()}
         best = max(tok_s, key=tok_s.get)
         pays = tok_s[best] > srv["by_level"][c]["baseline"]["output_throughput"]
         rec = srv["recommended_settings"][c]

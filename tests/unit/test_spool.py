@@ -166,7 +166,7 @@ def test_spool_batches_equal_stage_02_shards_within_a_one_batch_budget(tmp_path,
     spool.budget = max(spool.batch_bytes(rows) for s in samplers.values() for rows in s.batch_rows(0))
     assert spool.budget == BATCH_BYTES
     try:
-        spool.start(cfg_sp, inp, samplers, 1, rd_sp.path("draft", "spool_producer.log"))
+        spool.start(cfg_sp, inp, samplers, 1, rd_sp.path("draft", "eagle3", "spool_producer.log"))
         with _Peak(spool.shard_dir) as peak:
             spooled = epoch0(loaders)
         summary = spool.summary()
@@ -195,24 +195,24 @@ def test_spool_training_takes_the_same_steps_as_offline(tmp_path, tiny_llama_dir
     cfg, rd = make_tiny_run(tmp_path / "offline", tiny_llama_dir, dtype="float32")
     _stage04(cfg, rd)
     train.train(RunDir(rd.root, _with_train(cfg, **TRAIN)), progress=False)
-    offline = json.loads(rd.path("draft", "curves.json").read_text())
+    offline = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
 
     cfg, rd = _spool_run(tmp_path / "spool", tiny_llama_dir)
     assert sorted(int(p.stem[3:]) for p in shards.shard_dir(rd.path("dataset")).glob("hs_*")) == [0, 1, 2, 12]
     with _Peak(rd.path("spool", "hidden_states")) as peak:
-        result = train.train(rd, progress=False)
-    spooled = json.loads(rd.path("draft", "curves.json").read_text())
+        result = train.train(rd, progress=False)["eagle3"]
+    spooled = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
     _assert_same_steps(offline, spooled)
 
     assert result["hidden_states"] == "spool" and result["resolved"]["num_workers"] == 0
     sp = result["spool"]
-    assert json.loads(rd.path("draft", "result.json").read_text())["spool"] == sp
+    assert json.loads(rd.path("draft", "eagle3", "result.json").read_text())["spool"] == sp
     assert sp["budget_bytes"] == BUDGET and 0 < sp["peak_bytes"] <= BUDGET and 0 < peak.peak <= BUDGET
     assert sp["held_back_by_budget"] > 0  # the budget, not the data, decided how far ahead the producer worked
     assert sp["producer"]["rows"] == 12 * 2 + 4 * 3  # train rows per epoch; validation before training and after each
     assert sp["producer"]["tokens"] == SEQ * sp["producer"]["rows"] and sp["trainer_wait_s"] > 0
     assert not _producers() and not rd.path("spool").exists()
-    assert "spool producer ready" in rd.path("draft", "spool_producer.log").read_text()
+    assert "spool producer ready" in rd.path("draft", "eagle3", "spool_producer.log").read_text()
 
 
 def test_a_pass_left_early_is_drained_before_the_next(tmp_path, tiny_llama_dir):
@@ -220,7 +220,7 @@ def test_a_pass_left_early_is_drained_before_the_next(tmp_path, tiny_llama_dir):
     first waits for that request and deletes it (the ledger then holds validation's only), and the stage ends."""
     cfg, rd = _spool_run(tmp_path, tiny_llama_dir)
     rd = RunDir(rd.root, _with_train(cfg, max_steps=2))
-    result = train.train(rd, progress=False)
+    result = train.train(rd, progress=False)["eagle3"]
     assert result["global_step"] == 2
     # validation before and after, and all 3 train batches of epoch 0 (12 rows): the third was produced, not trained
     assert result["spool"]["producer"]["rows"] == 4 + 12 + 4
@@ -330,7 +330,7 @@ def vllm_offline(tmp_path_factory):
     stage02_shards(cfg, rd)
     _stage04(cfg, rd)
     train.train(RunDir(rd.root, _with_train(cfg, **TRAIN)), progress=False)
-    return model, root, json.loads(rd.path("draft", "curves.json").read_text())
+    return model, root, json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
 
 
 @pytest.mark.slow
@@ -348,9 +348,9 @@ def test_a_vllm_producer_trains_the_same_steps_as_stage_02_vllm_shards(vllm_offl
     batch = 5 * SEQ * (4 * 256 * 4 + 8) + 5 * shards.HEADER_BYTES
     cfg, rd = _spool_run(root / strategy, model, *VLLM, f"extract.strategy={strategy}",
                          f"extract.tensor_parallel_size={tp}", budget=2 * batch)
-    result = train.train(rd, progress=False)
-    _assert_same_steps(offline, json.loads(rd.path("draft", "curves.json").read_text()))
+    result = train.train(rd, progress=False)["eagle3"]
+    _assert_same_steps(offline, json.loads(rd.path("draft", "eagle3", "curves.json").read_text()))
     sp = result["spool"]
     assert 0 < sp["peak_bytes"] <= 2 * batch and sp["producer"]["rows"] == 36
-    assert "spool producer ready: vllm backend" in rd.path("draft", "spool_producer.log").read_text()
+    assert "spool producer ready: vllm backend" in rd.path("draft", "eagle3", "spool_producer.log").read_text()
     assert not _producers() and not rd.path("spool").exists()

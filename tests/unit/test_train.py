@@ -31,7 +31,7 @@ def trained_run(tiny_run):
     stage04.finish(verifier.run(stage04, check_speculators=False))
     cfg = with_train(cfg, **TRAIN_OVERRIDES)
     rd = RunDir(rd.root, cfg)
-    result = train.train(rd, progress=False)
+    result = train.train(rd, progress=False)["eagle3"]
     return cfg, rd, result
 
 
@@ -97,7 +97,7 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     k = cfg.train.ttt_steps
     # learned: validation expected acceptance length above the untrained draft's
     assert result["val_eal_untrained"] is not None
-    untrained = json.loads(rd.path("draft", "curves.json").read_text())["val"][0]
+    untrained = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())["val"][0]
     assert untrained["epoch"] == -1 and all(untrained[f"loss_{s}"] > 0 for s in range(k))  # measured, not defaults
     assert result["val_eal"] > result["val_eal_untrained"]
     # where stage 05's time goes: every part measured, the epochs at least the steps they hold
@@ -105,7 +105,7 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     assert list(phases) == ["check_shards", "loaders", "build_draft", "trainer_init", "untrained_validation",
                             "epochs", "finalize"] and min(phases.values()) >= 0
     assert phases["epochs"] >= result["train_seconds"] - 0.05
-    curves = json.loads(rd.path("draft", "curves.json").read_text())
+    curves = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
     assert [v["epoch"] for v in curves["val"]] == [-1, 0, 1]
     step = curves["steps"][-1]
     for s in range(k):
@@ -117,13 +117,13 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     assert fig_path.stat().st_size > 10_000
 
     # the checkpoint: what vLLM's eagle3 loader reads, and speculators reloads it with the trained weights
-    ckpt = rd.path("draft", "checkpoints", "1")
+    ckpt = rd.path("draft", "eagle3", "checkpoints", "1")
     assert result["checkpoint"] == str(ckpt)
     m02, m04 = rd.read_manifest("02")["metrics"], rd.read_manifest("04")["metrics"]
     check = dict(hidden_size=m02["hidden_size"], aux_layer_ids=m02["layer_ids"][:-1],
-                 draft_vocab_size=m04["draft_vocab_size"], ttt_steps=k, target_vocab_size=m02["vocab_size"])
+                 draft_vocab_size=m04["draft_vocab_size"], draft_tokens=k, target_vocab_size=m02["vocab_size"])
     assert train.check_vllm_config(ckpt, **check) == []
-    assert train.check_vllm_config(ckpt, **{**check, "ttt_steps": k + 1})  # the check can fail
+    assert train.check_vllm_config(ckpt, **{**check, "draft_tokens": k + 1})  # the check can fail
     from safetensors.torch import load_file
 
     saved = load_file(str(ckpt / "model.safetensors"))
@@ -133,15 +133,16 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
 
     # resume: one more epoch continues from checkpoint 1, history kept
     per_epoch = result["global_step"] // 2
-    result2 = train.train(RunDir(rd.root, with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 3})), progress=False)
+    result2 = train.train(RunDir(rd.root, with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 3})),
+                          progress=False)["eagle3"]
     assert result2["global_step"] == result["global_step"] + per_epoch
     assert result2["checkpoint"].endswith("/2") and result2["epochs_done"] == 3
-    curves2 = json.loads(rd.path("draft", "curves.json").read_text())
+    curves2 = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
     assert [v["epoch"] for v in curves2["val"]] == [-1, 0, 1, 2]
     assert [s["step"] for s in curves2["steps"]] == list(range(1, result2["global_step"] + 1))
 
     # a half-written epoch folder (killed during a save) is dropped; another recipe is refused, a longer run is not
-    save = rd.path("draft", "checkpoints")
+    save = rd.path("draft", "eagle3", "checkpoints")
     (save / "9").mkdir()
     (save / "9" / "config.json").write_text("{}")
     n_draft = rd.read_manifest("04")["metrics"]["draft_vocab_size"]
@@ -154,7 +155,7 @@ def test_trains_checkpoints_resumes_and_reloads(trained_run, tmp_path):
     # the run directory moves: the checkpoint still loads (its verifier is the target, outside the run dir)
     moved = tmp_path / "elsewhere"
     shutil.move(str(rd.root), moved)
-    assert train.reload_checkpoint(moved / "draft" / "checkpoints" / "2") is not None
+    assert train.reload_checkpoint(moved / "draft" / "eagle3" / "checkpoints" / "2") is not None
 
 
 def test_walk_counts_the_steps_a_decoder_takes():
@@ -203,7 +204,7 @@ def test_tau_by_walking_reads_speculators_own_chains(trained_run):
     assert walked["walk_tokens"] == int(mask.sum()) and 1.0 <= walked["tau_walk"] <= 1 + k
     assert walked["eal_uniform"] == pytest.approx(1 + int(chain[mask].sum()) / int(mask.sum()))
     # stage 05 recorded it at every validation, beside EAL, and in result.json
-    curves = json.loads(rd.path("draft", "curves.json").read_text())
+    curves = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
     assert all(1.0 <= v["tau_walk"] <= 1 + k for v in curves["val"])
     assert all(v["eal_uniform"] == pytest.approx(v["eal"], abs=0.05) for v in curves["val"])
     assert result["val_tau_walk"] == curves["val"][-1]["tau_walk"]
@@ -221,14 +222,14 @@ def test_train_fraction_trains_on_the_first_share_of_the_rows(trained_run, tmp_p
     half_cfg = with_train(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "half"})}),
                           train_fraction=0.5)
     half_rd = RunDir(fork_run(rd.root, rd.root.parent / "half"), half_cfg)
-    half = train.train(half_rd, progress=False)
+    half = train.train(half_rd, progress=False)["eagle3"]
     assert full["train_rows"] == n_train and half["train_rows"] == -(-n_train // 2)
     lengths = list(load_from_disk(str(rd.output("02", "dataset"))).with_format(None)["seq_len"])
     # every row once per epoch, each less the one token the shift to next-token targets drops
     assert full["train_tokens"] == cfg.train.epochs * sum(n - 1 for n in lengths[:n_train])
     assert half["train_tokens"] == cfg.train.epochs * sum(n - 1 for n in lengths[:half["train_rows"]])
     # the same validation rows: the untrained draft (same seed) scores the same on them in both runs
-    untrained = [json.loads(r.path("draft", "curves.json").read_text())["val"][0] for r in (rd, half_rd)]
+    untrained = [json.loads(r.path("draft", "eagle3", "curves.json").read_text())["val"][0] for r in (rd, half_rd)]
     assert untrained[0]["epoch"] == untrained[1]["epoch"] == -1 and untrained[0]["loss"] == untrained[1]["loss"]
 
 
@@ -269,15 +270,15 @@ def test_stage_05_under_torchrun_with_two_processes(tiny_run, tmp_path):
     proc = subprocess.run([str(torchrun), *cmd[1:]], capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(rd.path("draft", "result.json").read_text())
-    curves = json.loads(rd.path("draft", "curves.json").read_text())
+    result = json.loads(rd.path("draft", "eagle3", "result.json").read_text())
+    curves = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
     # one process on a copy of the run: each of the 2 ranks took half of its batches
     from eagle3lib.config import load_config
     from eagle3lib.rundir import fork_run
 
     single_cfg = load_config(config, [f"run.name={rd.root.name}-single"])
     single = train.train(RunDir(fork_run(rd.root, rd.root.parent / f"{rd.root.name}-single"), single_cfg),
-                         progress=False)
+                         progress=False)["eagle3"]
     assert single["global_step"] >= 4 and result["global_step"] == len(curves["steps"]) == single["global_step"] // 2
     assert [v["epoch"] for v in curves["val"]] == [-1, 0]
     assert rd.manifest_path(get_stage("05")).is_file()
@@ -311,7 +312,7 @@ def test_a_process_without_validation_batches_is_one_clear_error(tmp_path, tiny_
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert "the val split (rows: 1) gives this process (rank 1 of 2) no batch" in proc.stderr, proc.stderr[-3000:]
-    assert not rd.path("draft", "result.json").exists()
+    assert not rd.path("draft", "eagle3", "result.json").exists()
 
 
 def test_every_speculators_training_option_trains_a_draft(tiny_run):
@@ -331,11 +332,11 @@ def test_every_speculators_training_option_trains_a_draft(tiny_run):
                    warmup_steps=None, warmup_ratio=0.25, norm_before_fc=False, fc_norm=True, norm_output=False,
                    norm_before_residual=False, embed_requires_grad=True, weight_decay=0.01)
     cfg = with_train(cfg, **{**TRAIN_OVERRIDES, "epochs": 5}, **options)
-    result = train.train(RunDir(rd.root, cfg), progress=False)
+    result = train.train(RunDir(rd.root, cfg), progress=False)["eagle3"]
     assert result["val_eal"] > result["val_eal_untrained"]
     assert result["optimizers"] == ["Muon", "AdamW"]
     # speculators' own record of the run (run.yaml, read back by its own resolver as `--config` would)
-    flat = TrainConfig.resolve(["--config", str(rd.path("draft", "checkpoints", "run.yaml"))]).flatten()
+    flat = TrainConfig.resolve(["--config", str(rd.path("draft", "eagle3", "checkpoints", "run.yaml"))]).flatten()
     expected = {**{k: v for k, v in options.items() if k not in ("loss", "scheduler", "warmup_steps",
                                                                  "warmup_ratio")},
                 "loss_fn": "rkl", "scheduler_type": "linear", "scheduler_warmup_ratio": 0.25,
@@ -343,7 +344,7 @@ def test_every_speculators_training_option_trains_a_draft(tiny_run):
     assert {k: flat.get(k) for k in expected} == expected
     # the learning rate per step, per optimizer as speculators logs it: a linear warm-up over the first quarter,
     # then a linear decay, Muon's from train.muon_lr and AdamW's from train.lr
-    steps = json.loads(rd.path("draft", "curves.json").read_text())["steps"]
+    steps = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())["steps"]
     assert max(s["lr"]["AdamW"] for s in steps) == pytest.approx(TRAIN_OVERRIDES["lr"])
     lrs = [s["lr"]["Muon"] for s in steps]
     peak = lrs.index(max(lrs))
