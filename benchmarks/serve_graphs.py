@@ -58,10 +58,11 @@ def random_draft(target_dir: Path, target_config: Any, layer_ids: list[int], dra
     return out
 
 
-def make_run(config: Path, root: Path, name: str, overrides: list[str], draft: Path | None) -> tuple[Path, Path]:
+def make_run(config: Path, root: Path, name: str, overrides: list[str],
+             draft: Path | dict[str, Path] | None) -> tuple[Path, Any]:
     """A run folder whose stage 06 serve step measures a random draft of `config`'s target on the bundled prompts:
     the manifests of stages 02, 04 and 05 hold what that step reads and nothing else. Returns (its config file, the
-    draft: `draft` when given, else one made here)."""
+    draft: `draft` when given, a checkpoint or {algorithm: checkpoint}, else an EAGLE-3 one made here)."""
     from transformers import AutoConfig
 
     from eagle3lib import atomic, jsonl
@@ -86,8 +87,9 @@ def make_run(config: Path, root: Path, name: str, overrides: list[str], draft: P
         "dataset": rd.path("dataset"), "eval_prompts": rd.path("data", "eval.jsonl"), "model_dir": str(target_dir)},
         metrics={"layer_ids": layer_ids, "train_rows": 0, "val_rows": 0, "benchmarks": {}})
     rd.write_manifest(get_stage("04"), started=time.time(), outputs={"verifier_dir": rd.path("verifier")}, metrics={})
-    rd.write_manifest(get_stage("05"), started=time.time(), outputs={"checkpoint_eagle3": str(draft)},
-                      metrics={"algorithms": ["eagle3"]})
+    drafts = draft if isinstance(draft, dict) else {"eagle3": draft}  # {algorithm: checkpoint}
+    rd.write_manifest(get_stage("05"), started=time.time(),
+                      outputs={f"checkpoint_{a}": str(c) for a, c in drafts.items()}, metrics={"algorithms": list(drafts)})
     path = root / f"{name}.yaml"
     path.write_text(cfg.to_yaml())
     return path, draft

@@ -109,7 +109,7 @@ pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*
   --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* outputs/$RUN-x* \
   outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
   outputs/$SRUN-spool outputs/$RUN-speculators-cli* outputs/$RUN-workbook-* outputs/$RUN-graphs-* outputs/$RUN-eagle3 \
-  outputs/$RUN-peagle outputs/$RUN-dflash outputs/$RUN-drafters 2>/dev/null; }
+  outputs/$RUN-peagle outputs/$RUN-dflash outputs/$RUN-drafters outputs/$RUN-steps 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }
@@ -409,6 +409,16 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       python3 benchmarks/peers.py report --run-dir "outputs/$RUN" --arms $arms --out "$RES/peers_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers PEER_ARMS='$arms', $CONFIG ${pg[*]} ${pe[*]}; training side by side, stage 06 side by side" \
         > "$RES/peers_report.log" 2>&1
+      ;;
+    drafter_steps)
+      # what a step with each drafter costs $CONFIG's target, each server alone, with untrained drafts (a forward
+      # costs the same whatever the weights): EAGLE-3 k=3, P-EAGLE k=3 and 7, DFlash k=15 against the target alone at
+      # concurrency 1, 4, 16 (benchmarks/drafter_steps.py) -> $RES/drafter_steps_$RUN.json
+      step "untrained drafts' servers, each alone: the step cost per drafter"
+      CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/drafter_steps.py --config "$CONFIG" --run "$RUN-steps" \
+        --out "$RES/drafter_steps_$RUN.json" \
+        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=drafter_steps, $CONFIG" \
+        > "$RES/drafter_steps.log" 2>&1
       ;;
     algorithms)
       # EAGLE-3, P-EAGLE and DFlash from the same states (benchmarks/algorithms.py): stages 00-04 of $RUN (its

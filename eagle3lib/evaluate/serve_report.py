@@ -79,7 +79,7 @@ def verdict_line(v: dict[str, Any]) -> str:
                      f"breaks even from τ {cost:.2f}")
     else:
         line = (f"**Do not serve {'any of these drafts' if several else 'this draft'}**: {x} output tokens/s at "
-                f"concurrency {low} with the best setting (`{v.get('setting_at_lowest')}`)")
+                f"concurrency {low} with {'the' if several else 'its'} best setting (`{v.get('setting_at_lowest')}`)")
         line += (f"; this target needs τ ≥ **{cost:.2f}** to break even (step cost {cost:.2f} target steps = "
                  f"τ {tau:.2f} ÷ {x}; ×1.2 needs τ ≥ {v['tau_for_x1_2']:.2f})" if cost is not None else
                  "; its step cost could not be read (no τ at that level)")
@@ -132,10 +132,11 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
     several = len(firsts) > 1
     out += ["## Serving " + ("these drafts" if several else "this draft"), "",
             f"`vllm serve` with {f'each of {len(firsts)} drafts' if several else 'the draft'} under {n} setting"
-            f"{'s' * (n > 1)} of `evaluate.serve_grid` in all, and without a draft, each server alone on the GPU "
-            "unless the sweep says otherwise, at each concurrency level; recommended = the setting with the most "
-            "output tokens/s, where it beats the target alone (every setting at every level: the serving table "
-            "below).", "", *_levels_table(serve), ""]
+            f"{'s' * (n > 1)} of `evaluate.serve_grid` in all, and without a draft, "
+            + ("side by side (evaluate.serve_side_by_side_kv_gib)" if serve.get("side_by_side") else
+               "one server at a time, each alone")
+            + ", at each concurrency level; recommended = the setting with the most output tokens/s, where it beats "
+            "the target alone (every setting at every level: the serving table below).", "", *_levels_table(serve), ""]
     for algorithm, label in firsts.items():
         st = (serve.get("settings") or {}).get(label) or serve
         acc = st.get("acceptance") or {}

@@ -80,7 +80,7 @@ def test_dataset_is_what_speculators_trains_on(pipeline_run):
 
 
 def test_training_and_evaluation_results(pipeline_run):
-    train = manifest(pipeline_run, "05_train_draft")["metrics"]
+    train = manifest(pipeline_run, "05_train_draft")["metrics"]["eagle3"]
     assert train["val_eal"] >= train["val_eal_untrained"] >= 1.0
     ev = manifest(pipeline_run, "06_evaluate_acceptance")["metrics"]
     assert ev["k"] == 3 and ev["prompts"] == 2

@@ -146,7 +146,7 @@ def test_stages_02_to_05_on_qwen(qwen_run, qwen05_dir, qwen_tok):
     t2d, d2t = np.load(rd.output("04", "t2d")), np.load(rd.output("04", "d2t"))
     assert t2d.shape == (151_936,) and t2d.dtype == bool and int(t2d.sum()) == 32_000
     assert sorted((np.arange(32_000) + d2t).tolist()) == np.flatnonzero(t2d).tolist()  # d2t: offsets onto t2d
-    ckpt = rd.output("05", "checkpoint")
+    ckpt = rd.output("05", "checkpoint_eagle3")
     assert train.check_vllm_config(ckpt, hidden_size=896, aux_layer_ids=[2, 12, 21], draft_vocab_size=32_000,
                                    draft_tokens=3, target_vocab_size=151_936) == []
 
@@ -163,7 +163,7 @@ def test_vllm_runs_the_qwen_draft_speculatively_with_the_greedy_output(qwen_run,
     from eagle3lib.evaluate.decoder import Acceptance
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
-    job = {"target": str(qwen05_dir), "draft": str(qwen_run.output("05", "checkpoint")), "k": 3,
+    job = {"target": str(qwen05_dir), "draft": str(qwen_run.output("05", "checkpoint_eagle3")), "k": 3,
            "prompt_token_ids": [fib_prompt], "max_new_tokens": SPEC_TOKENS, "dtype": "float32", "max_model_len": 512}
     spec = run_in_subprocess(job, tmp_path / "vllm", "eagle3", tmp_path / "cache", timeout_s=900)
     assert spec["outputs"] == [fib_greedy[:SPEC_TOKENS]]

@@ -408,8 +408,8 @@ def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, t
 
     cfg, rd = tiny_run
     run_stage_04(cfg, rd)
-    rd.write_manifest(get_stage("05"), started=0.0, outputs={"checkpoint": str(trained_draft_dir)},
-                      metrics={"val_eal": 1.5})
+    rd.write_manifest(get_stage("05"), started=0.0, outputs={"checkpoint_eagle3": str(trained_draft_dir)},
+                      metrics={"algorithms": ["eagle3"], "eagle3": {"val_eal": 1.5}})
     config = tmp_path / "tiny.yaml"
     config.write_text(cfg.to_yaml())
     run_stages(config, stages="06", log_output=False,

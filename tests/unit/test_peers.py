@@ -43,7 +43,7 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     assert flat["data_path"] == str(frd.output("02", "dataset")) and flat["hidden_states_backend"] == "fp8"
     # its draft is the fork's stage 05: reloadable, with speculators' own validation metrics
     m05 = frd.read_manifest("05")
-    ckpt = frd.output("05", "checkpoint")
+    ckpt = frd.output("05", "checkpoint_eagle3")
     assert ckpt.name == str(cfg.train.epochs - 1) and train.reload_checkpoint(ckpt) is not None
     assert 1.0 <= m05["metrics"]["val_eal"] <= 1.0 + cfg.train.ttt_steps
     assert m05["metrics"]["trained_by"] == "speculators train" and m05["metrics"]["global_step"] > 0

@@ -214,7 +214,7 @@ def test_the_outputs_pass_asks_by_held_out_group_and_counts_each_group():
 def _setting(label: str, tok_s: dict[str, float], base: dict[str, float], tau: float) -> dict:
     """A draft setting's part of results["serve"] as `serve.aggregate` writes it, with only what `recommend` and
     `verdict` read."""
-    by_level = {c: {"eagle3": {"output_throughput": t}, "baseline": {"output_throughput": base[c]},
+    by_level = {c: {"draft": {"output_throughput": t}, "baseline": {"output_throughput": base[c]},
                     "output_tok_s_ratio": round(t / base[c], 4), "tpot_ratio": None, "step_cost": None, "tau": tau}
                 for c, t in tok_s.items()}
     return {"setting": label, "speculative_config": {"num_speculative_tokens": int(label[2])}, "serve_flags": [],

@@ -187,7 +187,7 @@ def test_tau_by_walking_reads_speculators_own_chains(trained_run):
     batch = {key: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
              for key, v in next(iter(val_loader)).items()}
     with torch.no_grad(), WalkRecorder(model) as rec:  # speculators' eager loss: the fused one needs Triton
-        draft_tokens, _, metrics = model(**batch, ttt_steps=k, loss_config=resolve_loss_config(cfg.train.loss, "eager"))
+        draft_tokens, _, metrics = model(**batch, ttt_steps=k, loss_config=resolve_loss_config(cfg.train.loss or "kl_div", "eager"))
     targets = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"]))
     chain, mask = chains(draft_tokens, targets, batch["loss_mask"]), batch["loss_mask"][0].bool()
     n = mask.shape[0]
