@@ -29,8 +29,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+# k = 3 for both chain drafters (the same tokens per step: one forward against three), DFlash's whole default block
 GRID = [{"algorithm": "eagle3", "num_speculative_tokens": 3}, {"algorithm": "peagle", "num_speculative_tokens": 3},
-        {"algorithm": "peagle", "num_speculative_tokens": 7}, {"algorithm": "dflash", "num_speculative_tokens": 15}]
+        {"algorithm": "dflash", "num_speculative_tokens": 15}]
 
 
 def random_draft(algorithm: str, target_dir: Path, layer_ids: list[int], draft_vocab: int, out: Path,

@@ -412,7 +412,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       ;;
     drafter_steps)
       # what a step with each drafter costs $CONFIG's target, each server alone, with untrained drafts (a forward
-      # costs the same whatever the weights): EAGLE-3 k=3, P-EAGLE k=3 and 7, DFlash k=15 against the target alone at
+      # costs the same whatever the weights): EAGLE-3 k=3, P-EAGLE k=3, DFlash k=15 against the target alone at
       # concurrency 1, 4, 16 (benchmarks/drafter_steps.py) -> $RES/drafter_steps_$RUN.json
       step "untrained drafts' servers, each alone: the step cost per drafter"
       CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/drafter_steps.py --config "$CONFIG" --run "$RUN-steps" \

@@ -13,6 +13,7 @@ from typing import Any
 
 from eagle3lib.evaluate.keys import EMBEDDED, NGRAM, NGRAM_SERVE, SERVE, VLLM, serve_row
 from eagle3lib.evaluate.report import _table, per_position, read_manifests
+from eagle3lib.evaluate.serve_report import draft_cell
 
 COMPARE_LIVE = (SERVE, EMBEDDED, VLLM)  # the row a benchmark's τ across runs is read from, the first a run has
 NGRAM_ROW = "vLLM n-gram lookup (no draft)"
@@ -59,8 +60,7 @@ def best_by_level(serve: dict[str, Any], algorithm: str | None = None) -> dict[s
                 if algorithm is None or (st.get("algorithm") or "eagle3") == algorithm}
     out = {}
     for c in serve.get("by_level") or {}:
-        # a level's draft server under "draft" ("eagle3" in a run from before several drafters)
-        cells = {n: (lv, lv.get("draft") or lv.get("eagle3") or {})
+        cells = {n: (lv, draft_cell(lv))
                  for n, st in settings.items() if (lv := st.get("by_level", {}).get(c))}
         if cells:
             name = max(cells, key=lambda n: cells[n][1].get("output_throughput") or 0)

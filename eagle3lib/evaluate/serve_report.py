@@ -30,6 +30,12 @@ def _num(v: float | None) -> str:
     return f"{v:.2f}" if isinstance(v, int | float) else "—"
 
 
+def draft_cell(level: dict[str, Any]) -> dict[str, Any]:
+    """A level's numbers of the draft's server: under "draft" ("eagle3" in results written before several drafters,
+    such as the committed runs under benchmarks/results/runs/)."""
+    return level.get("draft") or level.get("eagle3") or {}
+
+
 def _title(algorithm: str) -> str:
     from eagle3lib.drafters import title
 
@@ -107,7 +113,7 @@ def _levels_table(serve: dict[str, Any]) -> list[str]:
     for c, lv in (serve.get("by_level") or {}).items():
         rec = (serve.get("recommended_settings") or {}).get(c) or {}
         best = lv.get("setting") or serve.get("primary") or "—"
-        s, b = lv["draft"], lv["baseline"]
+        s, b = draft_cell(lv), lv["baseline"]
         each = " · ".join(f"{n} {_x(st['by_level'][c]['output_tok_s_ratio'])}" for n, st in settings.items())
         rows.append([c, f"{b.get('output_throughput') or 0:,.1f}",
                      f"`{rec['setting']}`" if rec.get("setting") else f"{NO_DRAFT} (best: `{best}`)",
@@ -198,7 +204,7 @@ def section(serve: dict[str, Any] | None) -> list[str]:
     for c in (serve.get("by_level") or {}):
         for name, st in settings.items():
             lv = st["by_level"][c]
-            s, b = lv["draft"], lv["baseline"]
+            s, b = draft_cell(lv), lv["baseline"]
             rows.append([c, f"`{name}`" + (" ✓" if recommended.get(c) == name else ""),
                          f"{b.get('output_throughput') or 0:,.1f} → {s.get('output_throughput') or 0:,.1f}",
                          _x(lv.get("output_tok_s_ratio")),

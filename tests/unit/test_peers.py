@@ -45,8 +45,8 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     m05 = frd.read_manifest("05")
     ckpt = frd.output("05", "checkpoint_eagle3")
     assert ckpt.name == str(cfg.train.epochs - 1) and train.reload_checkpoint(ckpt) is not None
-    assert 1.0 <= m05["metrics"]["val_eal"] <= 1.0 + cfg.train.ttt_steps
-    assert m05["metrics"]["trained_by"] == "speculators train" and m05["metrics"]["global_step"] > 0
+    assert 1.0 <= m05["metrics"]["eagle3"]["val_eal"] <= 1.0 + cfg.train.ttt_steps
+    assert m05["metrics"]["eagle3"]["trained_by"] == "speculators train" and m05["metrics"]["eagle3"]["global_step"] > 0
     stage06 = StageRun(get_stage("06"), frd.cfg, frd)
     assert evaluate.inputs.inputs_from_run(stage06).checkpoint == ckpt
     # the base run (the workbook arm) is untouched: no draft of its own yet
@@ -62,11 +62,11 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     out = tmp_path / "peers.json"
     result = peers.report(rd.root, ["speculators_cli", "workbook_adamw", "workbook_epochs_x2"], out, "tiny CPU check")
     arm = result["arms"]["speculators_cli"]
-    assert arm["val_eal"] == m05["metrics"]["val_eal"] and arm["train_tokens"] > 0
+    assert arm["val_eal"] == m05["metrics"]["eagle3"]["val_eal"] and arm["train_tokens"] > 0
     assert result["arms"]["workbook_adamw"]["optimizers"] == ["AdamW"]
     # the arms' training side by side, from the workbook's curves and from the records speculators' CLI logged
     cli_curve, adamw_curve = peers.training_curve(fork), peers.training_curve(variant)
-    assert len(cli_curve["step"]) == m05["metrics"]["global_step"] and len(adamw_curve["eal"]) > 0
+    assert len(cli_curve["step"]) == m05["metrics"]["eagle3"]["global_step"] and len(adamw_curve["eal"]) > 0
     assert all(1.0 <= e <= 1.0 + cfg.train.ttt_steps for e in cli_curve["eal"] + adamw_curve["eal"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert "skipped" in result["arms"]["specforge"] and json.loads(out.read_text())["arms"].keys() == result["arms"].keys()
