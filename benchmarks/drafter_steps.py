@@ -34,6 +34,20 @@ GRID = [{"algorithm": "eagle3", "num_speculative_tokens": 3}, {"algorithm": "pea
         {"algorithm": "dflash", "num_speculative_tokens": 15}]
 
 
+def with_head_dim(target_dir: Path, out: Path) -> Path:
+    """A folder holding the target's config.json with `head_dim` written out (hidden_size / attention heads) where
+    the target's own leaves it implicit (Qwen2): speculators builds the draft layer's config with the verifier's
+    head_dim, and transformers 5.17's Qwen3Config refuses None ("Field 'head_dim' expected int")."""
+    import json
+
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    folder = Path(str(out) + "-verifier-config")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 def random_draft(algorithm: str, target_dir: Path, layer_ids: list[int], draft_vocab: int, out: Path,
                  seed: int = 0) -> Path:
     """An untrained draft of the target built as stage 05 builds one (speculators' `create_transformer_layer_config`
@@ -48,7 +62,7 @@ def random_draft(algorithm: str, target_dir: Path, layer_ids: list[int], draft_v
     from eagle3lib.drafters import model_class
 
     layers = 5 if algorithm == "dflash" else 1
-    tl = create_transformer_layer_config(verifier_name_or_path=str(target_dir), num_layers=layers,
+    tl = create_transformer_layer_config(verifier_name_or_path=str(with_head_dim(target_dir, out)), num_layers=layers,
                                          draft_arch="llama" if algorithm == "eagle3" else "qwen3", hidden_act="silu",
                                          sliding_window=2048, full_attention_indices=[])
     d2t, t2d = build_vocab_mappings_from_distribution({i: 1 for i in range(draft_vocab)}, draft_vocab, tl.vocab_size)
