@@ -88,7 +88,7 @@ def make_drafts(config: Path, root: Path, algorithms: list[str]) -> dict[str, Pa
     hf = AutoConfig.from_pretrained(target_dir)
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, hf.num_hidden_layers)
     vocab = min(cfg.verifier.draft_vocab_size, hf.vocab_size)  # stage 04's size rule
-    return {a: random_draft(a, target_dir, layer_ids, vocab, root / f"random-{a}") for a in algorithms}
+    return {a: random_draft(a, target_dir, layer_ids, vocab, root.resolve() / f"random-{a}") for a in algorithms}
 
 
 def summary(serve: dict[str, Any]) -> dict[str, Any]:

@@ -415,7 +415,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # costs the same whatever the weights): EAGLE-3 k=3, P-EAGLE k=3, DFlash k=15 against the target alone at
       # concurrency 1, 4, 16 (benchmarks/drafter_steps.py) -> $RES/drafter_steps_$RUN.json
       step "untrained drafts' servers, each alone: the step cost per drafter"
-      CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/drafter_steps.py --config "$CONFIG" --run "$RUN-steps" \
+      CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/drafter_steps.py --config "$CONFIG" --run "$RUN-steps" --requests 16 \
         --out "$RES/drafter_steps_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=drafter_steps, $CONFIG" \
         > "$RES/drafter_steps.log" 2>&1
