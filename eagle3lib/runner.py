@@ -39,6 +39,32 @@ def run_environment(rd: RunDir) -> dict[str, str]:
     return env
 
 
+def ipc_kernel_manager() -> type:
+    """The notebooks' kernel manager: jupyter_client's, with the kernel on local IPC sockets in a private temp folder
+    instead of TCP ports on 127.0.0.1. Why: over TCP without CurveZMQ keys every stage's kernel warned "Kernel is
+    running over TCP without encryption" (ipykernel/kernelapp.py), and any local user could connect to its ports; an
+    IPC socket lives in a folder only this user can open. (The folder's path is kept short: a Unix socket path has a
+    limit of about 107 bytes, which a run folder's path can pass.)"""
+    import shutil
+    import tempfile
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            self._socket_dir = tempfile.mkdtemp(prefix="eagle3-kernel-")
+            self.transport = "ipc"
+            self.ip = os.path.join(self._socket_dir, "k")
+
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            await super()._async_cleanup_resources(restart=restart)
+            if not restart:
+                shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    return IPCKernelManager
+
+
 def preflight(config: str | Path | None, overrides: list[str], run: str | None = None) -> RunDir:
     """Everything that can be checked before a notebook starts: config, target path and config.json, layer ids, the
     draft vocabulary against the target's, the tokenizer against the model, then the output folder (created last, so
@@ -77,6 +103,7 @@ def run_stages(config: str | Path | None, run: str | None = None, stages: str | 
                 str(stage.notebook), str(out), kernel_name=KERNEL, cwd=str(REPO_ROOT),
                 parameters={"config": str(config_path) if config_path else None, "run": rd.cfg.run.name, "overrides": list(overrides)},
                 log_output=log_output, progress_bar=False, stdout_file=sys.stdout if log_output else None,
+                kernel_manager_class=ipc_kernel_manager(),
             )
         except pm.PapermillExecutionError as e:
             raise StageFailed(

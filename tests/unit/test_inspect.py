@@ -186,7 +186,8 @@ def test_a_dataset_saved_in_torch_format_reads_the_same(tiny_run, tmp_path):
     _same(hs_inspect.scan(torch_dir, spec, layer_ids).stats, hs_inspect.scan(d, spec, layer_ids, progress=False).stats)
 
 
-def test_notebook_runs_headless_on_the_tiny_run(tiny_run, tmp_path):
+def test_notebook_runs_headless_on_the_tiny_run(tiny_run, tmp_path, capfd):
+    """Stage 03's notebook under papermill, its kernel on IPC sockets: no TCP warning from the kernel."""
     import nbformat
 
     from eagle3lib.runner import run_stages
@@ -195,6 +196,7 @@ def test_notebook_runs_headless_on_the_tiny_run(tiny_run, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(cfg.to_yaml())
     run_stages(config, stages="03", overrides=["inspect.example_index=3"], log_output=False)
+    assert "running over TCP" not in capfd.readouterr().err
     manifest = json.loads(rd.manifest_path(get_stage("03")).read_text())  # made with the override: read it as is
     assert manifest["metrics"]["shards"] == 16 and manifest["metrics"]["invalid"] == 0
     assert rd.figure_path("03", "example_heatmap").is_file()
