@@ -14,7 +14,7 @@ from pathlib import Path
 from eagle3lib.config import REPO_ROOT, load_run_config, resolve_config_path, run_overrides
 from eagle3lib.errors import StageFailed, WorkbookError
 from eagle3lib.rundir import RunDir, cache_root
-from eagle3lib.stages import Stage, parse_selection
+from eagle3lib.stages import EXECUTED_NOTEBOOKS_ENV, Stage, parse_selection
 from eagle3lib.target import check_tokenizer, resolve_target
 
 KERNEL = "python3"  # the kernel of the interpreter that runs papermill: the workbook's venv
@@ -93,6 +93,7 @@ def run_stages(config: str | Path | None, run: str | None = None, stages: str | 
     os.environ.update(run_environment(rd))
     out_dir = rd.path("notebooks")
     out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[EXECUTED_NOTEBOOKS_ENV] = str(out_dir)  # where the executed copies are read: notebook 06's links
     print(f"run '{rd.cfg.run.name}' → {rd.root}   stages: {' '.join(s.id for s in selected)}", flush=True)
     for stage in selected:
         out = out_dir / stage.notebook.name

@@ -39,13 +39,19 @@ from eagle3lib.evaluate.figures import draw_figures
 from eagle3lib.evaluate.inputs import EvalInputs, inputs_from_run
 from eagle3lib.evaluate.keys import LIVE, VLLM
 from eagle3lib.evaluate.methods import FinishedMethods, measure, run_embedded
-from eagle3lib.evaluate.report import benchmark_table, held_out_group_table, summary_table, write_report
+from eagle3lib.evaluate.report import (
+    benchmark_table,
+    held_out_group_table,
+    report_for_notebook,
+    summary_table,
+    write_report,
+)
 from eagle3lib.evaluate.serve import sweep as serve_sweep
 from eagle3lib.rundir import StageResult, StageRun
 
 __all__ = ["EvalInputs", "EvaluateResult", "FinishedMethods", "benchmark_table", "draw_figures", "finish",
-           "held_out_group_table", "inputs_from_run", "measure", "report_card", "run", "run_embedded", "serve_sweep",
-           "summary_table"]
+           "held_out_group_table", "inputs_from_run", "measure", "report_card", "report_for_notebook", "run",
+           "run_embedded", "serve_sweep", "summary_table"]
 
 
 @dataclass

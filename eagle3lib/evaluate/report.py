@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from eagle3lib.evaluate.keys import (
     serve_row,
 )
 from eagle3lib.rundir import RunDir, manifest_file
-from eagle3lib.stages import ALL_STAGES
+from eagle3lib.stages import ALL_STAGES, EXECUTED_NOTEBOOKS_ENV
 
 
 def per_position(acceptance: dict[str, Any]) -> str | None:
@@ -388,6 +390,16 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if nbs:
         out += ["Executed notebooks: " + ", ".join(f"[{p.stem}](notebooks/{p.name})" for p in nbs), ""]
     return "\n".join(out)
+
+
+def report_for_notebook(report: Path) -> str:
+    """report.md as notebook 06 shows it: its links to the run's figures and notebooks (relative to the run folder)
+    made relative to where the notebook is read, so its images show: the run's notebooks/ folder for an executed
+    copy (a headless run, whose runner names it in stages.EXECUTED_NOTEBOOKS_ENV), else the kernel's folder (JupyterLab starts a
+    kernel in its notebook's folder)."""
+    base = Path(os.environ.get(EXECUTED_NOTEBOOKS_ENV) or Path.cwd())
+    rel = Path(os.path.relpath(Path(report).parent.resolve(), base.resolve())).as_posix()
+    return re.sub(r"\]\((figures|notebooks)/", lambda m: f"]({rel}/{m.group(1)}/", Path(report).read_text())
 
 
 def write_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> Path:

@@ -450,6 +450,28 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
     return Prepared(ids, masks, kept, cats, n - n_val, n_val, eval_prompts, stats)
 
 
+def repeated_share(tokens: list[int], n: int = 8) -> float:
+    """The share of a reply's n-grams that occur in it more than once: near 0 for ordinary text, high for a greedy
+    reply stuck in a loop up to the token limit (about 4% of the 1.5B's self-distilled replies pass 0.3)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return 0.0
+    counts: dict[tuple[int, ...], int] = {}
+    for g in grams:
+        counts[g] = counts.get(g, 0) + 1
+    return sum(c for c in counts.values() if c > 1) / len(grams)
+
+
+def example_row(prepared: Prepared, min_reply: int = 32, max_repeated: float = 0.3) -> int:
+    """A training row to show as the example of what is trained on: the first whose trained-on tokens are at least
+    `min_reply` long and not a loop (`repeated_share` at most `max_repeated`); row 0 where none is."""
+    for i in range(prepared.n_train):
+        reply = [t for t, m in zip(prepared.input_ids[i], prepared.loss_mask[i], strict=True) if m]
+        if len(reply) >= min_reply and repeated_share(reply) <= max_repeated:
+            return i
+    return 0
+
+
 def mask_html(tok, input_ids: list[int], loss_mask: list[int], limit: int = 400) -> str:
     """One row as HTML: trained-on tokens (loss_mask = 1) highlighted — the quickest check that the mask is right."""
     import html

@@ -546,3 +546,19 @@ def test_vllm_generator_gives_transformers_greedy_replies(tmp_path, smol_tok, sm
     # the same prompts sampled again in one engine get new replies
     assert runs[0] == runs[1]
     assert runs[0][0] != runs[0][1]
+
+
+def test_the_example_row_is_a_reply_that_is_not_a_loop():
+    """Notebook 02 shows the first training row whose reply is long enough and not stuck repeating itself (a greedy
+    reply looping to the token limit was the example row before)."""
+    from eagle3lib.extract.prepare import Prepared, example_row, repeated_share
+
+    loop = [5, 6, 7, 8] * 20
+    text = list(range(100, 180))
+    assert repeated_share(loop) > 0.9 and repeated_share(text) == 0.0 and repeated_share([1, 2]) == 0.0
+    rows = [[1, 2, *loop], [1, 2, *text[:10]], [1, 2, *text]]
+    prepared = Prepared(input_ids=rows, loss_mask=[[0, 0] + [1] * (len(r) - 2) for r in rows],
+                        conversations=[[]] * 3, categories=[None] * 3, n_train=3, n_val=0, eval_prompts=[])
+    assert example_row(prepared) == 2  # not the loop, not the 10-token reply
+    assert example_row(Prepared(input_ids=rows[:1], loss_mask=prepared.loss_mask[:1], conversations=[[]],
+                                categories=[None], n_train=1, n_val=0, eval_prompts=[])) == 0

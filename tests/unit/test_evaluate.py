@@ -428,6 +428,16 @@ def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, t
     report = rd.path("report.md").read_text()
     assert "Report card" in report and "06_evaluate_acceptance" in report and "τ vs k" in report
     assert not rd.path("eval", "partial.json").exists()  # finished methods are kept only until the stage succeeds
+    # the report card as the executed notebook shows it: every image it links resolves from the notebook's folder
+    import re
+
+    import nbformat
+
+    executed = rd.path("notebooks", "06_evaluate_acceptance.ipynb")
+    shown = [o["data"]["text/markdown"] for c in nbformat.read(executed, as_version=4).cells
+             for o in c.get("outputs", []) if "text/markdown" in o.get("data", {})]
+    images = [m for text in shown for m in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)]
+    assert images and all((executed.parent / m).is_file() for m in images), images
 
 
 def test_a_failed_method_keeps_the_finished_ones_for_the_rerun(tmp_path):
