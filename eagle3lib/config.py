@@ -607,11 +607,30 @@ class WorkbookConfig(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def closest_key(loc: tuple[Any, ...]) -> str | None:
+    """The real key nearest to an unknown one (`train.epochz` → `train.epochs`), from the section it was given in."""
+    import difflib
+
+    model: Any = WorkbookConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
+        inner = getattr(field, "annotation", None) if field else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return None
+        model = inner
+    names = list(model.model_fields) + [a for f in model.model_fields.values()
+                                        for a in getattr(f.validation_alias, "choices", []) or []]
+    match = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    return ".".join([*map(str, loc[:-1]), match[0]]) if match else None
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
     if first["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{where}' — fix: remove it or correct its spelling (see configs/demo.yaml)"
+        near = closest_key(first["loc"])
+        fix = f"write '{near}', the nearest key" if near else "remove it or correct its spelling"
+        return f"{source}: unknown key '{where}' — fix: {fix} (every key, its default and why: eagle3lib/config.py)"
     got = first.get("input")
     got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     return f"{source}: '{where}' {first['msg'].lower()}{got_s} — fix: set {where} to a valid value in {source}"

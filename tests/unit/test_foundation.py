@@ -58,8 +58,9 @@ def test_overrides_are_typed_and_dotted():
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["train.bogus=1"], "unknown key 'train.bogus'"),
-        (["trian.lr=1"], "unknown key 'trian'"),
+        (["train.bogus=1"], "unknown key 'train.bogus' — fix: remove it"),
+        (["trian.lr=1"], "unknown key 'trian' — fix: write 'train', the nearest key"),
+        (["train.epochz=2"], "unknown key 'train.epochz' — fix: write 'train.epochs', the nearest key"),
         (["train.lr=fast"], "'train.lr'"),
         (["target.layer_ids=[5, 3]"], "strictly increasing"),
         (["extract.backend=onnx"], "'extract.backend'"),
