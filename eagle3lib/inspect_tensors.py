@@ -178,8 +178,10 @@ class Validation:
                 "stray_files": self.stray}
 
 
-def require_valid(validation: Validation, first: int = 5) -> None:
-    """Stop the stage when any shard is invalid: one line with the indices, what is wrong, and how to regenerate."""
+def require_valid(validation: Validation, rerun: str = "eagle3 run --config <config> --run <run> --stages 02-03",
+                  first: int = 5) -> None:
+    """Stop the stage when any shard is invalid: one line with the indices, what is wrong, and the command that
+    regenerates them (`rerun`: StageRun.command, the run as it was opened)."""
     if validation.ok:
         return
     idx = sorted(validation.invalid)
@@ -187,8 +189,7 @@ def require_valid(validation: Validation, first: int = 5) -> None:
     more = f" (+{len(idx) - first} more, indices {idx[:50]})" if len(idx) > first else ""
     raise WorkbookError(
         f"{len(idx)} of {validation.checked} hidden-state shards are invalid — {shown}{more}",
-        "rerun stage 02 for this run (eagle3 run --config <config> --run <run> --stages 02): it resumes and redoes "
-        "invalid shards; inspect/report.json lists every problem",
+        f"{rerun} (stage 02 keeps the valid shards and redoes these; inspect/report.json lists every problem)",
     )
 
 
@@ -378,7 +379,7 @@ def run(stage: StageRun) -> InspectResult:
     """The whole stage without a notebook (tests, scripts): scan and write the report, fail on invalid shards, the
     figures. The notebook runs the same steps one cell at a time; the caller ends it with stage.finish(result)."""
     result = scan_stage(stage)
-    require_valid(result.inspection.validation)
+    require_valid(result.inspection.validation, stage.command("02-03"))
     for name in FIGURES:
         add_figure(stage, result, name)
     return result

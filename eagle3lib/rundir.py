@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib import atomic, quiet
-from eagle3lib.config import REPO_ROOT, WorkbookConfig, load_run_config
+from eagle3lib.config import REPO_ROOT, WorkbookConfig, load_run_config, resolve_config_path, run_overrides
 from eagle3lib.errors import WorkbookError
 from eagle3lib.stages import Stage, get_stage, lineage_sections
 
@@ -191,6 +191,19 @@ class StageRun:
     cfg: WorkbookConfig
     rd: RunDir
     started: float = field(default_factory=time.time)
+    config_file: Path | None = None  # the YAML the stage was opened with (None: the defaults)
+    overrides: tuple[str, ...] = ()  # the -p overrides it was opened with (the run name's among them)
+
+    def command(self, stages: str) -> str:
+        """The `eagle3 run` that runs `stages` of this run as it was opened: what a fix names, ready to paste."""
+        import shlex
+
+        args = ["eagle3", "run", "--config", str(self.config_file or "configs/demo.yaml"), "--run", self.cfg.run.name,
+                "--stages", stages]
+        for item in self.overrides:
+            if not item.startswith("run.name="):
+                args += ["-p", item]
+        return shlex.join(args)
 
     def finish(self, result: StageResult) -> Path:
         """Write this stage's manifest from `result`: the last cell of every notebook calls it."""
@@ -206,10 +219,11 @@ def open_stage(stage_id: str, config: str | Path | None, run: str | None = None,
     from notebooks/ and a headless run from the repo root find the same file.
     """
     cfg = load_run_config(config, run, overrides)
+    config_file = resolve_config_path(config)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet.setup()  # the cells show the workbook's output, not its libraries' INFO lines and harmless warnings
     stage = get_stage(stage_id)
     rd = RunDir.create(cfg)
     for dep in stage.needs:
         rd.read_manifest(dep)
-    return StageRun(stage, cfg, rd)
+    return StageRun(stage, cfg, rd, config_file=config_file, overrides=tuple(run_overrides(run, overrides)))

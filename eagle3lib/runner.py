@@ -107,6 +107,9 @@ def run_stages(config: str | Path | None, run: str | None = None, stages: str | 
                 kernel_manager_class=ipc_kernel_manager(),
             )
         except pm.PapermillExecutionError as e:
+            if e.ename == "WorkbookError":  # the notebook's own problem and fix, with where it stopped
+                raise StageFailed(f"stage {stage.key} stopped: {e.evalue.strip()} (executed notebook: {out}, cell "
+                                  f"{e.exec_count})") from None
             raise StageFailed(
                 f"stage {stage.key} failed: {e.ename}: {e.evalue.strip()}",
                 f"read the executed notebook {out} (cell {e.exec_count}), fix the cause, rerun with --stages {stage.id}-",

@@ -201,7 +201,8 @@ def test_stage_00_fails_the_run_when_disk_estimate_exceeds_free_space(out_root, 
                    "-p", f"run.output_root={out_root}", "-p", "data.num_samples=null",
                    "-p", "data.sources=[{kind: bundled}, {kind: self_instruct, limit: 100000000}]")
     assert proc.returncode == 1
-    assert "stage 00_environment failed" in proc.stderr and "disk for hidden states" in proc.stderr
+    assert "stage 00_environment stopped" in proc.stderr and "disk for hidden states" in proc.stderr
+    assert len([ln for ln in proc.stderr.splitlines() if "fix:" in ln]) == 1  # one fix: the notebook's own
     assert not (out_root / "huge/manifests/00_environment.json").exists()
 
 

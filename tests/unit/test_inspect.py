@@ -98,10 +98,13 @@ def test_planted_faults_are_caught_and_named_by_index(tiny_run):
     assert counts["unreadable file"] == 2 and counts["duplicated slots"] == 1 and counts["NaN or inf"] == 1
     assert result.stats.shards == 16 - 9  # only valid shards enter the statistics
 
+    cfg_file = rd.root / "tiny.yaml"
     with pytest.raises(WorkbookError) as err:
-        hs_inspect.run(_stage(cfg, rd))
+        hs_inspect.run(StageRun(get_stage("03"), cfg, rd, config_file=cfg_file))
     msg = str(err.value)
-    assert "9 of 16 hidden-state shards are invalid" in msg and "hs_1: " in msg and "rerun stage 02" in msg
+    assert "9 of 16 hidden-state shards are invalid" in msg and "hs_1: " in msg
+    # one fix, the real command: this run's config file and name, stages 02 and 03 again
+    assert msg.count("fix:") == 1 and f"eagle3 run --config {cfg_file} --run {cfg.run.name} --stages 02-03" in msg
     assert "\n" not in msg
     report = json.loads(rd.path("inspect/report.json").read_text())  # written before the stage fails
     assert report["validation"]["invalid_indices"] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
