@@ -30,6 +30,14 @@ def figure(*args: Any, **kwargs: Any):
     return plt.subplots(*args, **kwargs)
 
 
+def integer_ticks(ax: Any, axis: str = "x") -> None:
+    """Ticks at whole numbers only, on an axis that counts (positions, tokens, k, steps): matplotlib's default puts
+    them at 0.5 steps on a short range."""
+    from matplotlib.ticker import MaxNLocator
+
+    getattr(ax, f"{axis}axis").set_major_locator(MaxNLocator(integer=True))
+
+
 def save(fig, path: str | Path) -> Path:
     """Write `fig` to `path` (PNG, dpi 110, tight) atomically: a killed run never leaves half a PNG."""
     path = Path(path)

@@ -44,6 +44,7 @@ def plot_per_position(results: dict[str, Any], path: Path):
     _bars_by_method(ax, results, lambda a: a["per_pos_rate"], first_x=1,
                     label=lambda name, a: f"{name} (tau {a['tau']:.2f})")
     ax.set_ylim(0, 1)
+    plots.integer_ticks(ax)
     return _label_and_save(fig, ax, path, "per-position acceptance rate", "draft position",
                            "accepted at position / drafts")
 
@@ -52,6 +53,7 @@ def plot_length_histogram(results: dict[str, Any], path: Path):
     fig, ax = plots.figure(figsize=(6, 3.5))
     _bars_by_method(ax, results, lambda a: [h / max(sum(a["length_histogram"]), 1) for h in a["length_histogram"]],
                     first_x=0, label=lambda name, a: name)
+    plots.integer_ticks(ax)
     return _label_and_save(fig, ax, path, "accepted lengths", "accepted draft tokens in a step", "share of steps")
 
 
@@ -64,6 +66,7 @@ def plot_tau_vs_k(results: dict[str, Any], path: Path):
     ks_all = sorted({int(k) for s in results["sweep"].values() for k in s})
     if ks_all:
         ax.plot(ks_all, [k + 1 for k in ks_all], ls=":", color="grey", label="ideal (all accepted)")
+    plots.integer_ticks(ax)
     return _label_and_save(fig, ax, path, "mean acceptance length vs k", "k (draft tokens per step)",
                            "tau (tokens per target forward)")
 

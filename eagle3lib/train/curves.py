@@ -103,10 +103,8 @@ def plot_curves(curves: dict[str, Any], path: str | Path | None = None):
     """Three panels: the loss (EAGLE-3: per TTT step), the acceptance per draft position, the expected acceptance
     length (train steps, train epoch means, validation incl. the untrained draft at step 0). Saved as PNG when `path`
     is given."""
-    from matplotlib.ticker import MaxNLocator
-
     from eagle3lib.drafters import title
-    from eagle3lib.plots import figure, save_show
+    from eagle3lib.plots import figure, integer_ticks, save_show
 
     algorithm, k = curves["algorithm"], curves["positions"]
     fig, axes = figure(1, 3, figsize=(15, 4))
@@ -138,7 +136,7 @@ def plot_curves(curves: dict[str, Any], path: str | Path | None = None):
     for ax, text in zip(axes, titles, strict=True):
         ax.set_title(text, fontsize=10)
         ax.set_xlabel("optimizer step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        integer_ticks(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, ncol=2 if k > 4 else 1)
     if path is not None:
