@@ -1,5 +1,5 @@
 """Benchmark (not a test): a speculating `vllm serve`'s time per step by requests in flight, with the CUDA graph sizes
-stage 06 gives a draft's server on a GPU (`eagle3lib.evaluate.serve.graph_sizes`) and with vLLM's default sizes, in
+stage 06 gives a draft's server on a GPU (`eagle3lib.evaluate.serve_plan.graph_sizes`) and with vLLM's default sizes, in
 one run.
 
 Why: vLLM 0.26's V2 model runner captures a draft server's full decode graphs at its default sizes rounded up to
@@ -97,7 +97,7 @@ def make_run(config: Path, root: Path, name: str, overrides: list[str],
 
 def default_sizes_flag() -> list[str]:
     """`evaluate.serve_args` that put a server's CUDA graphs back at vLLM's default sizes."""
-    from eagle3lib.evaluate.serve import vllm_graph_sizes
+    from eagle3lib.evaluate.serve_plan import vllm_graph_sizes
 
     return ["--compilation-config", json.dumps({"cudagraph_capture_sizes": vllm_graph_sizes()})]
 

@@ -15,14 +15,17 @@ settings, or not) and the command that serves it.
     benchmarks.py  evaluate.benchmarks: their prompts asked turn by turn, τ per benchmark, category and turn
     decoder.py     the exact greedy chain speculative decoder and the offline (teacher-forced) simulation
     vllm_child.py  one vLLM run, in a child process
-    serve.py       the serve step: `vllm serve` with the draft (each setting of evaluate.serve_grid) and without it
-                   under `vllm bench serve`, per concurrency; the recommendation per level and the verdict
+    serve.py       the serve step: `vllm serve` with each draft (each drafter and setting of evaluate.serve_grid) and
+                   without one under `vllm bench serve`, per concurrency; the recommendation per level and the verdict
+    serve_plan.py  the sweep's servers and their command lines (`vllm serve`, `vllm bench serve`), the order they run
+    serve_asks.py  what a server is asked beyond the levels (outputs by held-out group, benchmarks) and the tie check
     server.py      one vLLM server: started on a free local port, waited for, always stopped
     bench_worker.py  vLLM's own `vllm bench serve`, level after level in one child process
     serve_report.py  what the report card (its opening lines) and the figures show of the serve step
     keys.py        the names of results.json's rows, which the figures and the report read back
     figures.py     figures/06_*.png
-    report.py      the report card (report.md) and `eagle3 compare`
+    report.py      the report card (report.md)
+    compare.py     `eagle3 compare`: runs and their drafters side by side
 
 Run it: `eagle3 run --config configs/demo.yaml --stages 06`, or in Python `finish(stage, run(stage))` with
 `stage = eagle3lib.rundir.open_stage("06", config)`. The notebook calls the same steps one by one.

@@ -23,7 +23,7 @@ for n-gram lookup (no match, no draft) is a minority, so only tokens_per_step co
 `measure` runs the configured ones and writes eval/results.json, keeping each finished method in eval/partial.json
 until all are done (`FinishedMethods`); its rows are named in `keys`. The `evaluate.benchmarks` are measured the same
 way by the embedded and offline methods (`measure_benchmark`; prompts and grouping in `benchmarks`), and by the
-serve step's server (`serve.ask_on_server`).
+serve step's server (`serve_asks.ask_on_server`).
 """
 
 from __future__ import annotations
@@ -443,7 +443,7 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
                                "drafts": {a: str(c) for a, c in inp.drafts.items()}, "methods_applied": applied,
                                "methods_skipped": skipped, "sweep": {}, "seconds": {}}
     # the benchmarks measured here: by the embedded decoder and the offline replay; with only 'serve' (and vLLM's
-    # in-process rows) they are the serve step's (`serve.ask_on_server`): no transformers target loads for them
+    # in-process rows) they are the serve step's (`serve_asks.ask_on_server`): no transformers target loads for them
     bench_files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.benchmarks]) \
         if {"embedded", "offline"} & set(methods) else {}
     if bench_files and tok is None:

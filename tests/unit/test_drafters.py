@@ -100,7 +100,7 @@ def test_drafters_config_and_serving_rules():
 
 def test_a_drafter_asked_for_more_tokens_than_it_was_trained_for_is_refused(tmp_path):
     from eagle3lib.config import load_config
-    from eagle3lib.evaluate.serve import plan_servers
+    from eagle3lib.evaluate.serve_plan import plan_servers
 
     ckpt = tmp_path / "dflash"
     ckpt.mkdir()

@@ -97,7 +97,8 @@ def test_a_server_that_dies_mid_sweep_fails_with_its_log_and_leaves_nothing(tmp_
 def test_servers_side_by_side_all_stop_when_one_fails_to_start(tmp_path):
     """Servers started side by side (evaluate.serve_side_by_side_kv_gib): one answers /health, the other exits
     before it is ready. The error names the one that failed, with its log, and the healthy one is stopped too."""
-    from eagle3lib.evaluate.serve import ServerPlan, all_up
+    from eagle3lib.evaluate.serve import all_up
+    from eagle3lib.evaluate.serve_plan import ServerPlan
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     healthy = _stand_in(tmp_path / "a", """
@@ -133,7 +134,7 @@ def test_servers_side_by_side_all_stop_when_one_fails_to_start(tmp_path):
 def test_servers_side_by_side_on_a_gpu_take_a_fixed_kv_cache_and_a_share_of_it(tiny_llama_dir):
     """The memory flags of a server beside the sweep's others: vLLM's own flags, after the target's settings and
     before evaluate.serve_args (a flag the user gives there wins); none on the CPU or one server at a time."""
-    from eagle3lib.evaluate.serve import serve_args, side_by_side_memory
+    from eagle3lib.evaluate.serve_plan import serve_args, side_by_side_memory
 
     memory = side_by_side_memory(8, 3, cpu=False)
     assert memory == ["--gpu-memory-utilization", "0.300", "--kv-cache-memory-bytes", str(8 * 2**30)]
@@ -192,7 +193,7 @@ class CountingServer:
 def test_the_outputs_pass_asks_by_held_out_group_and_counts_each_group():
     """`complete_by_group`: outputs in prompt order whatever the grouping, one request per group, each group's
     counters its own prompts' (the target alone: no counters, no groups; no labels: one request)."""
-    from eagle3lib.evaluate.serve import complete_by_group
+    from eagle3lib.evaluate.serve_asks import complete_by_group
 
     prompts = [[1, 2, 3], [4, 6], [5, 7, 8, 10], [2]]
     labels = ["sharegpt", "bundled", "sharegpt", "writingbench"]
@@ -550,7 +551,7 @@ def test_a_speedup_within_the_target_alones_own_drift_is_flagged():
     """Side by side, each level measures the target alone at both ends (`level_rounds`); the report card flags a
     recommended speedup no further from x1.00 than those two measurements are apart. Read on the committed 1.5B x4
     run's numbers with a drift put beside them (that run measured none)."""
-    from eagle3lib.evaluate.serve import ServerPlan, level_rounds
+    from eagle3lib.evaluate.serve_plan import ServerPlan, level_rounds
     from eagle3lib.evaluate.serve_report import headline, section, within_drift
 
     a, b, base = (ServerPlan("eagle3 k=3", "eagle3", 3, {}), ServerPlan("eagle3 k=1", "eagle3", 1, {}),
@@ -578,7 +579,7 @@ def test_a_speculating_server_on_a_gpu_captures_its_graphs_at_multiples_of_k_plu
     """Every CUDA graph size of a server with k draft tokens is a multiple of 1 + k (a decode step's tokens per
     request), vLLM's default sizes rounded up, so every decode batch up to the largest finds a size with both its
     graphs; the flag goes to speculating servers on a GPU only, before evaluate.serve_args (a user's own wins)."""
-    from eagle3lib.evaluate.serve import graph_sizes, serve_args
+    from eagle3lib.evaluate.serve_plan import graph_sizes, serve_args
 
     for k in (1, 2, 3, 4, 5):
         sizes = graph_sizes(k)

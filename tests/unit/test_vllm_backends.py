@@ -692,7 +692,7 @@ def test_stage_06s_vllm_runs_get_the_mla_settings_and_match_transformers(deepsee
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from eagle3lib.evaluate.methods import vllm_job
-    from eagle3lib.evaluate.serve import serve_args
+    from eagle3lib.evaluate.serve_plan import serve_args
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
     model_dir = deepseek_v3["model_dir"]
