@@ -11,7 +11,8 @@ with and without the draft at each concurrency level (`serve.sweep`); then it dr
 settings, or not) and the command that serves it.
 
     inputs.py      what it reads from stages 02, 04 and 05; the held-out prompts
-    methods.py     the four methods, `measure` (eval/results.json) and resuming after a failed method
+    methods.py     the methods (offline, embedded, vllm, ngram) and resuming after a failed method
+    measure.py     `measure`: the configured methods in order, into eval/results.json
     benchmarks.py  evaluate.benchmarks: their prompts asked turn by turn, τ per benchmark, category and turn
     decoder.py     the exact greedy chain speculative decoder and the offline (teacher-forced) simulation
     vllm_child.py  one vLLM run, in a child process
@@ -41,7 +42,8 @@ from typing import Any
 from eagle3lib.evaluate.figures import draw_figures
 from eagle3lib.evaluate.inputs import EvalInputs, inputs_from_run
 from eagle3lib.evaluate.keys import LIVE, VLLM
-from eagle3lib.evaluate.methods import FinishedMethods, measure, run_embedded
+from eagle3lib.evaluate.measure import measure
+from eagle3lib.evaluate.methods import FinishedMethods, run_embedded
 from eagle3lib.evaluate.report import (
     benchmark_table,
     held_out_group_table,

@@ -1,5 +1,5 @@
 """Stage 06's figures (up to four, one more with `evaluate.benchmarks`, one more with the serve step), drawn from
-the results `methods.measure` and the serve step wrote (figures/06_*.png).
+the results `measure.measure` and the serve step wrote (figures/06_*.png).
 
 Why from the results only: the same dict is eval/results.json, so a figure can be redrawn from a finished run
 without measuring again. The rows are named in `keys`.

@@ -1,7 +1,7 @@
 """The names of stage 06's rows in eval/results.json, which the figures, the report card and `eagle3 compare` read.
 
 Why one module: each name is a key (`results["by_method"][name]`, `results["sweep"][name]`) and display text at
-once (the report card's method column, the figures' legends). The writer (`methods.measure`) and every reader
+once (the report card's method column, the figures' legends). The writer (`measure.measure`) and every reader
 take them from here, so a renamed row cannot leave a reader looking for the old name.
 """
 

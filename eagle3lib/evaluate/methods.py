@@ -28,7 +28,6 @@ serve step's server (`serve_asks.ask_on_server`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -39,31 +38,18 @@ from typing import Any
 import torch
 
 from eagle3lib import atomic
-from eagle3lib.config import benchmark_name
-from eagle3lib.device import auto_device, dtype_name, torch_dtype
+from eagle3lib.device import torch_dtype
 from eagle3lib.errors import WorkbookError
 from eagle3lib.evaluate import benchmarks
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.inputs import (
     EvalInputs,
-    eos_ids,
-    held_out_digest,
-    held_out_groups,
-    held_out_prompt_ids,
-    inputs_from_run,
 )
 from eagle3lib.evaluate.keys import (
     BENCH_ALL,
     BENCH_PATH,
     EMBEDDED,
-    HELDOUT_ALL,
-    HELDOUT_PATH,
-    NGRAM,
-    OFFLINE_ROWS,
-    VLLM,
 )
-from eagle3lib.rundir import StageRun
-from eagle3lib.target import load_tokenizer
 
 log = logging.getLogger("eagle3lib.evaluate")
 
@@ -361,7 +347,7 @@ def measure_benchmark(name: str, path: Path, inp: EvalInputs, target: Any, draft
 # ------------------------------------------------------------------------------------------------------ stage
 
 
-def _file_stamp(path: Path) -> list[int]:
+def file_stamp(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_size, st.st_mtime_ns]
 
@@ -400,137 +386,3 @@ class FinishedMethods:
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
-
-
-def methods_for(configured: list[str], algorithms: list[str]) -> tuple[list[str], dict[str, list[str]],
-                                                                      dict[str, str]]:
-    """Which of evaluate.methods run, and which drafter each measures: the offline, embedded and vllm methods
-    follow the EAGLE-3 draft only (drafters.EAGLE3_ONLY_METHODS), serve measures every drafter, ngram none.
-    Returns (the methods that run, {algorithm: the methods that measure it}, {method: why it does not run})."""
-    from eagle3lib.drafters import EAGLE3_ONLY_METHODS
-
-    skipped = {m: f"follows the EAGLE-3 draft only, and stage 05 trained {', '.join(algorithms)}"
-               for m in configured if m in EAGLE3_ONLY_METHODS and "eagle3" not in algorithms}
-    run = [m for m in configured if m not in skipped]
-    applied = {a: [m for m in run if m == "serve" or (a == "eagle3" and m in EAGLE3_ONLY_METHODS)]
-               for a in algorithms}
-    return run, applied, skipped
-
-
-def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
-    """Run every configured method; write eval/results.json. Returns the results (figures and report separately)."""
-    from eagle3lib.evaluate.decoder import load_draft
-
-    cfg = stage.cfg.evaluate
-    inp = inputs_from_run(stage)
-    methods, applied, skipped = methods_for(cfg.methods, list(inp.drafts))
-    device = auto_device(cfg.device)
-    dtype = torch_dtype(stage.cfg.target.dtype, device)
-    dname = dtype_name(stage.cfg.target.dtype, device)  # what the embedded workers and the vLLM jobs are told
-    k = cfg.num_draft_tokens
-    ks = sorted(set(cfg.sweep_k) | {k})
-    t_all = time.perf_counter()
-    draft = load_draft(inp.checkpoint, device=device, dtype=dtype) if {"embedded", "offline"} & set(methods) else None
-    if draft is not None and list(draft.layer_ids) != list(inp.layer_ids[:-1]):
-        raise WorkbookError(f"the draft reads aux layers {draft.layer_ids}, stage 02 captured {inp.layer_ids[:-1]}",
-                            "evaluate the draft trained on this run (or rerun stage 05)")
-    tok = load_tokenizer(stage.cfg.target, inp.model_dir, chat=False)
-    prompts, prompt_source = held_out_prompt_ids(inp, tok, cfg.num_prompts)
-    results: dict[str, Any] = {"k": k, "sweep_k": ks, "prompt_source": prompt_source, "prompts": len(prompts),
-                               "held_out_digest": held_out_digest(inp, tok, prompts),
-                               "max_new_tokens": cfg.max_new_tokens, "device": device, "dtype": str(dtype),
-                               "checkpoint": str(inp.checkpoint), "target": str(inp.model_dir), "by_method": {},
-                               "drafts": {a: str(c) for a, c in inp.drafts.items()}, "methods_applied": applied,
-                               "methods_skipped": skipped, "sweep": {}, "seconds": {}}
-    # the benchmarks measured here: by the embedded decoder and the offline replay; with only 'serve' (and vLLM's
-    # in-process rows) they are the serve step's (`serve_asks.ask_on_server`): no transformers target loads for them
-    bench_files = benchmarks.benchmark_files(inp, [benchmark_name(b) for b in cfg.benchmarks]) \
-        if {"embedded", "offline"} & set(methods) else {}
-    if bench_files and tok is None:
-        raise WorkbookError("evaluate.benchmarks need the target's tokenizer and chat template (this target has none)",
-                            "remove evaluate.benchmarks, or set target.tokenizer")
-    done = FinishedMethods(stage.rd.path("eval", "partial.json"), {
-        **{key: results[key] for key in ("k", "sweep_k", "max_new_tokens", "device", "dtype", "checkpoint")},
-        "weights": _file_stamp(Path(inp.checkpoint) / "model.safetensors") if inp.checkpoint else None,
-        "offline_max_rows": cfg.offline_max_rows,
-        "vllm_sweep": cfg.vllm_sweep, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "benchmarks": benchmarks.fingerprint(bench_files, cfg.benchmark_prompts)})
-    target = None
-    if ("embedded" in methods and not done.has("embedded")) or "offline" in methods or any(
-            not done.has(f"benchmark {n}") for n in bench_files):
-        target = load_target(inp.model_dir, device, dtype)
-    eos = eos_ids(target, tok) if target is not None else []
-    if "offline" in methods and inp.val_rows > 0:
-        def offline_rows() -> dict[str, Any]:
-            rows_acc, n_rows = run_offline_rows(draft, inp, ks, cfg.offline_max_rows, progress=progress)
-            return {"rows": n_rows, "acceptance": rows_acc[k].to_dict(),
-                    "sweep": {str(kk): a.to_dict() for kk, a in rows_acc.items()}}
-
-        rows = done.run("offline_rows", offline_rows, results)
-        results["offline_rows"] = rows
-        results["by_method"][OFFLINE_ROWS] = rows["acceptance"]
-        results["sweep"][OFFLINE_ROWS] = rows["sweep"]
-    continuations: list[list[int]] | None = None
-    if "embedded" in methods:
-        def embedded() -> dict[str, Any]:
-            workers = embedded_workers(target, device, len(prompts))
-            emb = run_embedded(target, draft, prompts, k, cfg.max_new_tokens, eos, progress=progress,
-                               workers=workers, load=(inp.model_dir, inp.checkpoint, device, dname))
-            return {**{key: v for key, v in emb.items() if key != "per_prompt"},
-                    "outputs": [r["output_ids"] for r in emb["per_prompt"]],
-                    "verified": [r["verified_ids"] for r in emb["per_prompt"]],
-                    "acceptances": [r["acceptance"] for r in emb["per_prompt"]]}
-
-        emb = done.run("embedded", embedded, results)
-        results[EMBEDDED] = {key: v for key, v in emb.items() if key not in ("outputs", "verified", "acceptances")}
-        results["by_method"][EMBEDDED] = emb["acceptance"]
-        groups = held_out_groups(inp, cfg.num_prompts) if tok is not None else None
-        if groups and len(groups[1]) == len(emb.get("acceptances") or []):
-            add_held_out_groups(results, groups[0], EMBEDDED, by_group(groups[1], emb["acceptances"], k))
-        continuations = emb["verified"]
-        results["embedded_outputs"] = emb["outputs"]
-    if "offline" in methods:
-        def offline_heldout() -> dict[str, Any]:
-            conts = continuations
-            if conts is None:  # no decoder run: the target's plain greedy continuations
-                from eagle3lib.evaluate.decoder import greedy_generate
-
-                conts = [greedy_generate(target, p, cfg.max_new_tokens, eos or None)[0] for p in prompts]
-            sim = run_offline_continuations(target, draft, prompts, conts, ks)
-            return {str(kk): {n: a.to_dict() for n, a in parts.items()} for kk, parts in sim.items()}
-
-        held = done.run("offline_heldout", offline_heldout, results)
-        results["offline_heldout"] = held
-        results["by_method"][HELDOUT_ALL] = held[str(k)]["all"]
-        results["by_method"][HELDOUT_PATH] = held[str(k)]["path"]
-        results["sweep"][HELDOUT_PATH] = {str(kk): held[str(kk)]["path"] for kk in ks}
-        results["sweep"][HELDOUT_ALL] = {str(kk): held[str(kk)]["all"] for kk in ks}
-    if bench_files:
-        results["tau_by_benchmark"] = {name: done.run(f"benchmark {name}", lambda name=name, path=path: (
-            measure_benchmark(name, path, inp, target, draft, tok, k, eos, methods, cfg.benchmark_prompts,
-                              cfg.max_new_tokens, stage.rd.path("eval", "benchmarks"), device, dname, progress)),
-            results) for name, path in bench_files.items()}
-    target = None  # free it before vLLM starts
-    if "vllm" in methods:
-        live = done.run("vllm", lambda: run_vllm(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
-                                                 dname, sweep=ks if cfg.vllm_sweep else None), results)
-        results[VLLM] = {key: v for key, v in live.items() if key not in ("outputs", "baseline_outputs", "sweep")}
-        results["by_method"][VLLM] = live["acceptance"]
-        if cfg.vllm_sweep:
-            results["sweep"][VLLM] = {str(kk): a for kk, a in live["sweep"].items()}
-        if "embedded_outputs" in results:
-            results[VLLM]["identical_to_embedded"] = count_identical(live["baseline_outputs"],
-                                                                       results["embedded_outputs"])
-    if "ngram" in methods and "serve" not in methods:  # with serve, a third server measures it (serve.py)
-        ng = done.run("ngram", lambda: run_ngram(inp, prompts, k, cfg.max_new_tokens, stage.rd.path("eval", "vllm"),
-                                                 dname), results)
-        results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}
-        results["by_method"][NGRAM] = ng["acceptance"]
-        if "embedded_outputs" in results:
-            results["ngram"]["identical_to_embedded"] = count_identical(ng["outputs"], results["embedded_outputs"])
-    results["seconds"]["total"] = round(time.perf_counter() - t_all, 2)
-    atomic.write_json(stage.rd.path("eval", "results.json"), results)
-    done.clear()
-    return results
-
-

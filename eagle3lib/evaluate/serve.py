@@ -18,7 +18,7 @@ speculates by vLLM's n-gram prompt lookup (no draft model) and is measured the s
 the free baseline a trained draft must beat, at the same loads. Last, each drafter's first setting's server (and
 n-gram lookup's) asks every `evaluate.benchmarks` item turn by turn (`ask_on_server`): τ per benchmark, category and
 turn from its counters, the drafter's serve row (keys.serve_row: "vllm serve" for EAGLE-3) and NGRAM_SERVE of
-results["tau_by_benchmark"] (with only 'serve' configured, `methods.measure` leaves the benchmarks to this step and
+results["tau_by_benchmark"] (with only 'serve' configured, `measure.measure` leaves the benchmarks to this step and
 loads no transformers target).
 
 Speedup at a level = output tok/s with the draft / without, and TPOT without / with (both > 1 when the draft
@@ -31,7 +31,7 @@ finished (setting, level) cell (and each server's outputs) is kept in eval/serve
 failure or an interrupt starts only the servers it still needs, and a setting added to the grid costs only its own
 server (removed once the sweep is complete).
 
-Its own step of stage 06, after `methods.measure` (`sweep(stage, results)`; `evaluate.run` and notebook 06 call
+Its own step of stage 06, after `measure.measure` (`sweep(stage, results)`; `evaluate.run` and notebook 06 call
 it): it keeps its finished levels itself, and its table deserves its own notebook cell.
 """
 
@@ -136,7 +136,7 @@ def step_cost(spec: dict[str, Any], base: dict[str, Any]) -> float | None:
 
 
 def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[str, Any]:
-    """Stage 06's serve step, after `methods.measure` (when 'serve' is in evaluate.methods): the same held-out
+    """Stage 06's serve step, after `measure.measure` (when 'serve' is in evaluate.methods): the same held-out
     prompts, target, draft and dtype; adds results["serve"] and the server's acceptance row, rewrites
     eval/results.json. Returns the results."""
     from eagle3lib.config import benchmark_name

@@ -168,25 +168,33 @@ def _train(rd: RunDir, algorithm: str, res: Resolved, patched: bool, inp: TrainI
         tokens = recorder.tokens + (before.get("train_tokens") or 0)
         seconds = elapsed + (before.get("train_seconds") or 0.0)
         result = _result(final, curves_path, curves, res, patched, last_saved, trainer.global_step, tokens, seconds)
+        # what speculators built from train.optimizer (muon: Muon on the 2-D weights, AdamW on the rest), and what
+        # the draft saw (a data-volume curve's x: train.train_fraction of stage 02's rows)
         result.update(algorithm=algorithm, positions=positions, hidden_states=tcfg.hidden_states,
                       draft_params=checkpoint_params(final),
-                      trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad))
-        # what speculators built from train.optimizer (muon: Muon on the 2-D weights, AdamW on the rest)
-        result["optimizers"] = [type(opt).__name__ for opt in trainer.optimizers]
-        # what the draft saw (a data-volume curve's x: train.train_fraction of stage 02's rows)
-        result.update(train_rows=len(train_loader.dataset), train_tokens=tokens)
+                      trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                      optimizers=[type(opt).__name__ for opt in trainer.optimizers],
+                      train_rows=len(train_loader.dataset), train_tokens=tokens)
         lap("finalize")
-        result["phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
-        if transfer is not None:  # the target's share of the time (train and validation batches, this process)
-            result["online_target"] = {"seconds": round(transfer.seconds, 2), "tokens": transfer.tokens,
-                                       "tokens_per_s": round(transfer.tokens / transfer.seconds, 1)
-                                       if transfer.seconds > 0 else None,
-                                       "forwards": transfer.forwards, "padded_tokens": transfer.padded_tokens,
-                                       "batches_ahead": tcfg.online_batches_ahead}
-        if spool is not None:  # the budget, the peak the producer saw, its time and tokens, the trainer's wait
-            result["spool"] = spool.summary()
+        result.update(phase_seconds={k: round(v, 2) for k, v in phases.items()},
+                      **_state_source_figures(transfer, spool, tcfg))
         atomic.write_json(own / "result.json", result)
     return result
+
+
+def _state_source_figures(transfer: Any, spool: Any, tcfg: TrainSection) -> dict[str, Any]:
+    """Where the hidden states came from, in figures: online, the target's share of the time (train and validation
+    batches, this process); spool, the budget, the peak the producer saw, its time and tokens, the trainer's wait."""
+    out: dict[str, Any] = {}
+    if transfer is not None:
+        out["online_target"] = {"seconds": round(transfer.seconds, 2), "tokens": transfer.tokens,
+                                "tokens_per_s": round(transfer.tokens / transfer.seconds, 1)
+                                if transfer.seconds > 0 else None,
+                                "forwards": transfer.forwards, "padded_tokens": transfer.padded_tokens,
+                                "batches_ahead": tcfg.online_batches_ahead}
+    if spool is not None:
+        out["spool"] = spool.summary()
+    return out
 
 
 def _json_or_empty(path: Path) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def test_each_drafter_learns_reloads_and_is_read_as_vllms_method_for_it(out_root
 
 def test_drafters_config_and_serving_rules():
     from eagle3lib.config import load_config
-    from eagle3lib.evaluate.methods import methods_for
+    from eagle3lib.evaluate.measure import methods_for
 
     assert load_config(None, ["train.algorithm=dflash"]).train.algorithms == ["dflash"]
     assert load_config(None, []).train.algorithms == ["eagle3"]
