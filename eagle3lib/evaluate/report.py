@@ -270,8 +270,6 @@ def _demo_scale_note(man: dict[str, dict[str, Any]]) -> list[str]:
 
 def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seconds: float | None = None) -> str:
     man = read_manifests(rd)
-    m02 = man.get("02", {}).get("metrics", {})
-    o02 = man.get("02", {}).get("outputs", {})
     latest = max(man.values(), key=lambda m: m.get("finished_at", "")) if man else {}
     out: list[str] = [f"# Report card: run `{rd.cfg.run.name}`", ""]
     out += serve_report.headline((results or {}).get("serve"))  # first: the verdict, serve this draft or not
@@ -279,29 +277,45 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     out.append(f"Written {datetime.now(UTC).isoformat(timespec='seconds')} · git {latest.get('git_sha') or '—'} · "
                f"host {latest.get('host') or '—'} · folder `{rd.root}`")
     out.append("")
-    # headline
-    if results:
-        by = results.get("by_method", {})
-        head = [f"**k = {results.get('k')}**"]
-        serve_rows = [serve_row(a) for a in results.get("drafts") or {"eagle3": None}]
-        for name in (*serve_rows, VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
-            if name in by:
-                head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
-        ngram = by.get(NGRAM_SERVE) or by.get(NGRAM) or {}
-        if ngram.get("tokens_per_step"):  # its tau counts only the steps where a match was found
-            head.append(f"n-gram lookup (no draft): **{ngram['tokens_per_step']:.2f}** tokens per target step")
-        for name, what in ((VLLM, "batch throughput ratio (every prompt in one batch, eager)"),
-                           (EMBEDDED, "tokens/s ratio (batch 1)")):
-            r = results.get(name)
-            if r and r.get("speedup"):  # not a serving speedup: that is the serve step's (above)
-                head.append(f"{name} {what}: **×{r['speedup']:.2f}** ({r['identical']}/{r['prompts']} outputs "
-                            "identical to the target alone)")
-        out += [" · ".join(head), ""]
-        if results.get("methods_skipped"):  # a method that could not follow any drafter this run trained
-            out += ["Not measured: " + "; ".join(f"`{m}` ({why})" for m, why in results["methods_skipped"].items())
-                    + ". Every drafter is measured by `serve`.", ""]
-    # target and data
-    out += ["## Target and data", ""]
+    out += _headline(results) if results else []
+    out += ["## Target and data", "", _target_and_data(rd, man), ""]
+    out += ["## Training (stage 05)", "", *training_lines(rd, man.get("05", {}))]
+    out += ["## Acceptance (stage 06)", ""]
+    out += _acceptance(rd, results, man.get("02", {}).get("metrics", {})) if results else ["(stage 06 has not run)", ""]
+    out += _wall_time_and_versions(rd, man, latest, stage06_seconds)
+    return "\n".join(out)
+
+
+def _headline(results: dict[str, Any]) -> list[str]:
+    """τ by method (each drafter's server first), n-gram lookup's tokens per step, the live methods' speed ratios,
+    and the methods this run could not measure."""
+    out: list[str] = []
+    by = results.get("by_method", {})
+    head = [f"**k = {results.get('k')}**"]
+    serve_rows = [serve_row(a) for a in results.get("drafts") or {"eagle3": None}]
+    for name in (*serve_rows, VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
+        if name in by:
+            head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
+    ngram = by.get(NGRAM_SERVE) or by.get(NGRAM) or {}
+    if ngram.get("tokens_per_step"):  # its tau counts only the steps where a match was found
+        head.append(f"n-gram lookup (no draft): **{ngram['tokens_per_step']:.2f}** tokens per target step")
+    for name, what in ((VLLM, "batch throughput ratio (every prompt in one batch, eager)"),
+                       (EMBEDDED, "tokens/s ratio (batch 1)")):
+        r = results.get(name)
+        if r and r.get("speedup"):  # not a serving speedup: that is the serve step's (above)
+            head.append(f"{name} {what}: **×{r['speedup']:.2f}** ({r['identical']}/{r['prompts']} outputs "
+                        "identical to the target alone)")
+    out += [" · ".join(head), ""]
+    if results.get("methods_skipped"):  # a method that could not follow any drafter this run trained
+        out += ["Not measured: " + "; ".join(f"`{m}` ({why})" for m, why in results["methods_skipped"].items())
+                + ". Every drafter is measured by `serve`.", ""]
+    return out
+
+
+def _target_and_data(rd: RunDir, man: dict[str, dict[str, Any]]) -> str:
+    """The target and what stage 02 captured, one table."""
+    m02 = man.get("02", {}).get("metrics", {})
+    o02 = man.get("02", {}).get("outputs", {})
     rows = [["target", o02.get("model_dir") or rd.cfg.target.model],
             ["decoder layers / hidden / vocab", f"{_fmt(m02.get('num_layers'))} / {_fmt(m02.get('hidden_size'))} / "
                                                 f"{_fmt(m02.get('vocab_size'))}"],
@@ -325,53 +339,56 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
     if m04:
         rows.append(["draft vocabulary (coverage of train tokens)",
                      f"{_fmt(m04.get('draft_vocab_size'))} ({_fmt(m04.get('coverage'))})"])
-    out += [_table(["", ""], rows), ""]
-    # training
-    out += ["## Training (stage 05)", "", *training_lines(rd, man.get("05", {}))]
-    # acceptance
-    out += ["## Acceptance (stage 06)", ""]
-    if results:
-        out.append(f"Prompts: {results.get('prompt_source')}; up to {results.get('max_new_tokens')} new tokens each, "
-                   f"greedy. τ = 1 + accepted / drafts; per-position rate = accepted at p / drafts; tokens per "
-                   f"step = generated / target forwards (live methods; the fair figure for n-gram lookup, whose τ "
-                   f"counts only the steps where it found a match and drafted).")
-        out.append("")
-        rows = [[r["method"], r["tau"], r["tokens_per_step"], r["draft_acceptance_rate"], per_position(r),
-                 r["drafts"]] for r in summary_table(results)]
-        out += [_table(["method", "τ", "tokens per step", "draft acceptance", "per position", "drafts"], rows), ""]
-        rows = held_out_group_table(results)
-        if rows:
-            by = results["held_out_groups"]["by"]
-            kinds = {"source": "sources", "category": "categories"}.get(by, by)
-            out += [f"τ on the held-out prompts by {by} (the {kinds} a draft falls short on: the data to add; a few "
-                    "prompts each, so a rough guide):", "", _table(list(rows[0]), [list(r.values()) for r in rows]), ""]
-        out += benchmark_lines(results, m02)
-        sweep = results.get("sweep", {})
-        if sweep:
-            ks = sorted({int(k) for s in sweep.values() for k in s})
-            out += ["τ vs k:", "", _table(["method"] + [f"k={k}" for k in ks],
-                                          [[n] + [s.get(str(k), {}).get("tau") for k in ks] for n, s in sweep.items()]),
-                    ""]
-        rows = []
-        for name in LIVE:
-            r = results.get(name)
-            if r:
-                rows.append([name, r.get("baseline_tokens_per_s"), r.get("spec_tokens_per_s"), r.get("speedup"),
-                             f"{r.get('identical')}/{r.get('prompts')}"])
-        if rows:
-            out += ["Speed (generated tokens/s, greedy, same prompts; embedded is batch 1, vLLM in-process batches "
-                    "them all, eager: a batch throughput ratio, not the speedup a server sees, which is the serving "
-                    "table's):", "", _table(["engine", "target alone", "with draft", "with ÷ without",
-                                              "identical outputs"], rows), ""]
-            out += _divergence_lines(results)
-        out += serve_report.section(results.get("serve"))
-        figs = sorted(rd.path("figures").glob("06_*.png"))
-        out += [f"![{f.stem}](figures/{f.name})" for f in figs]
-        out.append("")
-    else:
-        out += ["(stage 06 has not run)", ""]
-    # wall time
-    out += ["## Wall time of each stage", ""]
+    return _table(["", ""], rows)
+
+
+def _acceptance(rd: RunDir, results: dict[str, Any], m02: dict[str, Any]) -> list[str]:
+    """Stage 06's tables: τ by method, by held-out group and benchmark, τ vs k, speed, the serving table, figures."""
+    out: list[str] = []
+    out.append(f"Prompts: {results.get('prompt_source')}; up to {results.get('max_new_tokens')} new tokens each, "
+               f"greedy. τ = 1 + accepted / drafts; per-position rate = accepted at p / drafts; tokens per "
+               f"step = generated / target forwards (live methods; the fair figure for n-gram lookup, whose τ "
+               f"counts only the steps where it found a match and drafted).")
+    out.append("")
+    rows = [[r["method"], r["tau"], r["tokens_per_step"], r["draft_acceptance_rate"], per_position(r),
+             r["drafts"]] for r in summary_table(results)]
+    out += [_table(["method", "τ", "tokens per step", "draft acceptance", "per position", "drafts"], rows), ""]
+    rows = held_out_group_table(results)
+    if rows:
+        by = results["held_out_groups"]["by"]
+        kinds = {"source": "sources", "category": "categories"}.get(by, by)
+        out += [f"τ on the held-out prompts by {by} (the {kinds} a draft falls short on: the data to add; a few "
+                "prompts each, so a rough guide):", "", _table(list(rows[0]), [list(r.values()) for r in rows]), ""]
+    out += benchmark_lines(results, m02)
+    sweep = results.get("sweep", {})
+    if sweep:
+        ks = sorted({int(k) for s in sweep.values() for k in s})
+        out += ["τ vs k:", "", _table(["method"] + [f"k={k}" for k in ks],
+                                      [[n] + [s.get(str(k), {}).get("tau") for k in ks] for n, s in sweep.items()]),
+                ""]
+    rows = []
+    for name in LIVE:
+        r = results.get(name)
+        if r:
+            rows.append([name, r.get("baseline_tokens_per_s"), r.get("spec_tokens_per_s"), r.get("speedup"),
+                         f"{r.get('identical')}/{r.get('prompts')}"])
+    if rows:
+        out += ["Speed (generated tokens/s, greedy, same prompts; embedded is batch 1, vLLM in-process batches "
+                "them all, eager: a batch throughput ratio, not the speedup a server sees, which is the serving "
+                "table's):", "", _table(["engine", "target alone", "with draft", "with ÷ without",
+                                          "identical outputs"], rows), ""]
+        out += _divergence_lines(results)
+    out += serve_report.section(results.get("serve"))
+    figs = sorted(rd.path("figures").glob("06_*.png"))
+    out += [f"![{f.stem}](figures/{f.name})" for f in figs]
+    out.append("")
+    return out
+
+
+def _wall_time_and_versions(rd: RunDir, man: dict[str, dict[str, Any]], latest: dict[str, Any],
+                            stage06_seconds: float | None) -> list[str]:
+    """The wall time of each stage (stage 06's own before its manifest), the package versions, the notebooks."""
+    out: list[str] = ["## Wall time of each stage", ""]
     rows = []
     for stage in ALL_STAGES:
         m = man.get(stage.id)
@@ -381,15 +398,13 @@ def build_report(rd: RunDir, results: dict[str, Any] | None = None, stage06_seco
             rows.append([stage.key, round(stage06_seconds, 2), "(this run, before its manifest)"])
     total = sum(r[1] for r in rows if isinstance(r[1], int | float))
     rows.append(["total", round(total, 2), ""])
-    out += [_table(["stage", "seconds", "finished"], rows), ""]
-    # versions
-    out += ["## Versions", ""]
+    out += [_table(["stage", "seconds", "finished"], rows), "", "## Versions", ""]
     vers = latest.get("versions", {})
     out += [_table(["package", "version"], [["python", latest.get("python")]] + [[k, v] for k, v in vers.items()]), ""]
     nbs = sorted(rd.path("notebooks").glob("*.ipynb"))
     if nbs:
         out += ["Executed notebooks: " + ", ".join(f"[{p.stem}](notebooks/{p.name})" for p in nbs), ""]
-    return "\n".join(out)
+    return out
 
 
 def report_for_notebook(report: Path) -> str:
