@@ -36,7 +36,7 @@ def join(base: Path, drafters: list[str]) -> tuple[Path, list[str]]:
     joined)."""
     import shutil
 
-    from eagle3lib.rundir import fork_run
+    from eagle3lib.common.rundir import fork_run
 
     dst = fork_run(base, base.with_name(f"{base.name}-drafters"))
     joined = []
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "join":  # prints the drafters joined, as a train.algorithms value
         print(f"[{', '.join(join(a.base, a.drafters)[1])}]")
         return 0
-    from eagle3lib import atomic
+    from eagle3lib.common import atomic
 
     out = report(a.run_dir, a.note)
     atomic.write_json(a.out, out)

@@ -132,7 +132,7 @@ def one_split(a: dict, b: dict) -> bool:
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
-    from eagle3lib.plots import figure, save_show
+    from eagle3lib.common.plots import figure, save_show
 
     fig, axes = figure(1, 2, figsize=(11, 5))
     xs = [p["tokens_per_epoch"] / 1e6 for p in points]

@@ -59,7 +59,7 @@ def random_draft(algorithm: str, target_dir: Path, layer_ids: list[int], draft_v
     from speculators.train.utils import resolve_mask_token_id
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    from eagle3lib.drafters import model_class
+    from eagle3lib.common.drafters import model_class
 
     layers = 5 if algorithm == "dflash" else 1
     tl = create_transformer_layer_config(verifier_name_or_path=str(with_head_dim(target_dir, out)), num_layers=layers,
@@ -80,8 +80,8 @@ def random_draft(algorithm: str, target_dir: Path, layer_ids: list[int], draft_v
 def make_drafts(config: Path, root: Path, algorithms: list[str]) -> dict[str, Path]:
     from transformers import AutoConfig
 
-    from eagle3lib.config import load_config
-    from eagle3lib.target import resolve_layer_ids, resolve_model_path
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.target import resolve_layer_ids, resolve_model_path
 
     cfg = load_config(config)
     target_dir = resolve_model_path(cfg.target)

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3lib import shards  # noqa: E402
-from eagle3lib.config import load_config  # noqa: E402
+from eagle3lib.common import shards  # noqa: E402
+from eagle3lib.common.config import load_config  # noqa: E402
 from eagle3lib.extract import capture  # noqa: E402
 from eagle3lib.extract.backends.transformers_backend import TransformersBackend, plan_batches  # noqa: E402
 
@@ -273,6 +273,7 @@ def probe_cost(probe: dict, capture_s: float, loop_tokens_per_s: float, kept_tok
 
 def vllm_one(args: argparse.Namespace) -> dict:
     """One mode, in this process: engine start, a warm-up, then the timed run."""
+    from eagle3lib.common.target import read_hf_config
     from eagle3lib.extract.backends import make_vllm_backend
     from eagle3lib.extract.backends.adapters import select_adapter
     from eagle3lib.extract.backends.vllm_engine import (
@@ -282,7 +283,6 @@ def vllm_one(args: argparse.Namespace) -> dict:
         start_engine,
         stop_engine,
     )
-    from eagle3lib.target import read_hf_config
 
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="eagle3-vllm-bench-"))
     cfg, model_dir, layer_ids, input_ids, shape = _vllm_setup(args, work)

@@ -73,8 +73,8 @@ def main() -> int:
     ap.add_argument("--note", default="", help="what ran, where (kept in the JSON)")
     args = ap.parse_args()
 
-    from eagle3lib.config import load_run_config
-    from eagle3lib.rundir import fork_run, run_root
+    from eagle3lib.common.config import load_run_config
+    from eagle3lib.common.rundir import fork_run, run_root
 
     cfg = load_run_config(args.config, args.run, args.overrides)
     a = run_root(cfg)

@@ -96,9 +96,9 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     """One variant on `--one-engines` engines, in this process, through stage 02's own generator (make_generator:
     one VllmGenerator, or the engine pool for N > 1): the engines' start, then each temperature over every prompt in
     one call (the pool deals them out, one share per engine)."""
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.target import load_tokenizer, resolve_model_path
     from eagle3lib.extract.prepare import make_generator
-    from eagle3lib.target import load_tokenizer, resolve_model_path
 
     variant, n = json.loads(args.one), args.one_engines
     cfg = load_config(args.config, ["data.generator=vllm", f"data.gen_vllm_args={json.dumps(variant)}",
@@ -140,7 +140,7 @@ def conversations(cfg: Any, n: int) -> list[list[dict[str, str]]]:
     """The config's first n conversations (seeded shuffle): what --multi-turn self-distills."""
     import random
 
-    from eagle3lib.extract.sources import read_sources
+    from eagle3lib.common.sources import read_sources
 
     records, _ = read_sources(cfg)
     random.Random(cfg.run.seed).shuffle(records)
@@ -259,9 +259,9 @@ def plain_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     does by default): the model folder stage 02 loads, and the dtype and max_model_len its generator gives
     the engine (eagle3lib.extract.backends.vllm_engine.engine_kwargs, then data.gen_vllm_args over them); the
     tokenizer and trust_remote_code only where the config sets them (else the same model would not load)."""
-    from eagle3lib.config import load_config
-    from eagle3lib.device import dtype_name
-    from eagle3lib.target import resolve_model_path, tokenizer_dir
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.device import dtype_name
+    from eagle3lib.common.target import resolve_model_path, tokenizer_dir
 
     cfg = load_config(args.config, ["data.generator=vllm", *args.param])
     model_dir = resolve_model_path(cfg.target)
@@ -280,8 +280,8 @@ def plain_engine_args(args: argparse.Namespace) -> dict[str, Any]:
 def plain(args: argparse.Namespace) -> dict[str, Any]:
     """The plain-vLLM arm, in this process: `vllm.LLM(**engine args)`, then `llm.generate(texts, SamplingParams(...))`
     per temperature on the same texts as the variants (the first turns with --multi-turn)."""
-    from eagle3lib.config import load_config
-    from eagle3lib.target import load_tokenizer
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.target import load_tokenizer
 
     eng = json.loads(args.one_vllm_offline)
     cfg = load_config(args.config, ["data.generator=vllm", f"data.gen_max_new_tokens={args.max_new_tokens}",
@@ -327,7 +327,7 @@ def run_child(argv: list[str], name: str, label: dict[str, Any], n: int, args: a
     plain vLLM's arm on 2026-12-06, when the arm's output was a pipe read at its end: nothing of it came back). Cut
     off, the arm is stopped with every process under it (vLLM's engine core, a process of its own under vLLM's
     defaults, outlived a killed arm)."""
-    from eagle3lib.processes import descendants, log_tail, stop_process_tree
+    from eagle3lib.common.processes import descendants, log_tail, stop_process_tree
 
     out_path = Path(args.out)
     log_path = out_path.with_name(f"{out_path.stem}.{name}.log")
@@ -365,8 +365,8 @@ def log_tails(out: str, n: int, args: argparse.Namespace) -> dict[str, list[str]
     pool engine's log (eagle3lib.extract.engine_pool writes <run>/cache/logs/gen_engine_<i>.log). Without them a
     4-engine round came back as a bare "not finished in 240 s" (2026-12-03): nothing said whether an engine hung or
     time ran out."""
-    from eagle3lib.config import load_config
-    from eagle3lib.rundir import cache_root
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.rundir import cache_root
 
     tails = {"output": out.strip().splitlines()[-3:]}
     if n > 1:

@@ -6,7 +6,7 @@
   <run>-online    a fork: stages 02/04/05 with train.hidden_states=online (stage 02 reuses the cached replies and writes
                   shards only for its sample rows; stage 05 runs the target beside the draft, every batch), one epoch,
   <run>-spool     a fork: the same with train.hidden_states=spool and a vLLM producer (extract.backend=vllm), one epoch.
-The forks share the base run's files by hard links (eagle3lib.rundir.fork_run): no bytes copied.
+The forks share the base run's files by hard links (eagle3lib.common.rundir.fork_run): no bytes copied.
 
 Figures (per token, so the 5% validation rows stage 02 also extracts do not skew them):
   offline combined tok/s = 1 / (1 / stage 02's capture tok/s + 1 / one epoch's training tok/s): extracting once and

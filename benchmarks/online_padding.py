@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 def row_lengths(run: Path) -> tuple[list[int], str]:
     """Token counts of the run's rows, and where they came from."""
-    from eagle3lib.config import load_run_config
+    from eagle3lib.common.config import load_run_config
 
     cfg = load_run_config(run / "config.yaml", run.name)
     dataset = run / "dataset"
@@ -35,8 +35,8 @@ def row_lengths(run: Path) -> tuple[list[int], str]:
         from datasets import load_from_disk
 
         return [len(ids) for ids in load_from_disk(str(dataset))["input_ids"]], "its stage 02 dataset"
+    from eagle3lib.common.target import load_tokenizer, resolve_model_path
     from eagle3lib.extract.prepare import tokenize_conversations
-    from eagle3lib.target import load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(cfg.target, resolve_model_path(cfg.target))
     convs = [json.loads(line)["messages"] for line in (run / "data" / "train.jsonl").open()]

@@ -111,7 +111,7 @@ def speculators_train(argv: list[str]) -> None:
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
-    from eagle3lib import atomic
+    from eagle3lib.common import atomic
     from eagle3lib.train.speculators_glue import ensure_cpu_patch
 
     records_path = Path(argv[argv.index("--records") + 1])
@@ -138,8 +138,8 @@ def register_draft(rd: Any, inp: Any, save_path: Path, records: dict[str, Any], 
     """The peer's last checkpoint as the fork's stage 05 output (what stage 06 reads), packaged as the workbook
     packages its own (`finalize_checkpoint`: the verifier named by the target's folder, the aux-layer count pinned
     for vLLM), with draft/eagle3/result.json and the stage's manifest. The manifest's metrics are the peer's own."""
-    from eagle3lib import atomic
-    from eagle3lib.stages import get_stage
+    from eagle3lib.common import atomic
+    from eagle3lib.common.stages import get_stage
     from eagle3lib.train.checkpoint import finalize_checkpoint
     from eagle3lib.train.curves import curve_point
 
@@ -177,8 +177,8 @@ def fork_config(fork: Path) -> Path:
 
 def train_arm(base: Path, arm: str) -> Path:
     """Fork the run folder `base` and train arm `arm` (one of `ARMS`) on it; returns the fork's folder."""
-    from eagle3lib.config import load_run_config
-    from eagle3lib.rundir import fork_run
+    from eagle3lib.common.config import load_run_config
+    from eagle3lib.common.rundir import fork_run
 
     if arm not in ARMS:
         raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
@@ -193,9 +193,9 @@ def train_arm(base: Path, arm: str) -> Path:
 
 def train_cli_arm(dst: Path) -> Path:
     """speculators' CLI arm on the fork `dst`, registered as its stage 05."""
-    from eagle3lib import shards
-    from eagle3lib.config import load_run_config
-    from eagle3lib.rundir import RunDir
+    from eagle3lib.common import shards
+    from eagle3lib.common.config import load_run_config
+    from eagle3lib.common.rundir import RunDir
     from eagle3lib.train import inputs_from_run, resolve_settings
 
     cfg = load_run_config(fork_config(dst), dst.name)
@@ -322,7 +322,7 @@ def training_curve(run_dir: Path) -> dict[str, list[float]] | None:
 def plot_training(base: Path, arms: list[str], path: Path, window: int = 50) -> Path | None:
     """The arms' training side by side: batch EAL (a rolling mean over `window` steps) and the learning rate, by
     optimizer step. Arms without a curve are left out; None when none has one."""
-    from eagle3lib.plots import figure, save_show
+    from eagle3lib.common.plots import figure, save_show
 
     runs = {"workbook": base, **{a: base.parent / fork_name(base.name, a) for a in arms}}
     curves = {name: c for name, d in runs.items() if (c := training_curve(d)) is not None}

@@ -32,10 +32,10 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3lib import embedded
+    from eagle3lib.common import embedded
+    from eagle3lib.common.target import describe_target
     from eagle3lib.evaluate.decoder import greedy_generate
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
-    from eagle3lib.target import describe_target
 
     t0 = time.time()
     model_dir = embedded.ensure("embedded:qwen2.5-coder-1.5b")

@@ -35,8 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from eagle3lib import shards  # noqa: E402
-from eagle3lib.config import load_config  # noqa: E402
+from eagle3lib.common import shards  # noqa: E402
+from eagle3lib.common.config import load_config  # noqa: E402
 from eagle3lib.extract import capture  # noqa: E402
 
 LLAMA_31_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
@@ -122,8 +122,8 @@ def cmd_extract(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
-    from eagle3lib.config import load_config as load
-    from eagle3lib.rundir import fork_run, run_root
+    from eagle3lib.common.config import load_config as load
+    from eagle3lib.common.rundir import fork_run, run_root
     from eagle3lib.train import launch_command
 
     cfg = load(args.config, [f"run.name={args.run}", *args.param])

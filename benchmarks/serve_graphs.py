@@ -65,12 +65,12 @@ def make_run(config: Path, root: Path, name: str, overrides: list[str],
     draft: `draft` when given, a checkpoint or {algorithm: checkpoint}, else an EAGLE-3 one made here)."""
     from transformers import AutoConfig
 
-    from eagle3lib import atomic, jsonl
-    from eagle3lib.config import load_config
-    from eagle3lib.extract.sources import bundled_prompts_path
-    from eagle3lib.rundir import RunDir
-    from eagle3lib.stages import get_stage
-    from eagle3lib.target import resolve_layer_ids, resolve_model_path
+    from eagle3lib.common import atomic, jsonl
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.rundir import RunDir
+    from eagle3lib.common.sources import bundled_prompts_path
+    from eagle3lib.common.stages import get_stage
+    from eagle3lib.common.target import resolve_layer_ids, resolve_model_path
 
     cfg = load_config(config, [f"run.output_root={root}", f"run.name={name}", "evaluate.methods=[serve]",
                                "evaluate.benchmarks=[]", *overrides])

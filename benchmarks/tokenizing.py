@@ -32,9 +32,9 @@ def main() -> int:
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
 
-    from eagle3lib.config import load_run_config
+    from eagle3lib.common.config import load_run_config
+    from eagle3lib.common.target import load_tokenizer, resolve_model_path
     from eagle3lib.extract.prepare import tokenize_conversation, tokenize_conversations
-    from eagle3lib.target import load_tokenizer, resolve_model_path
 
     run = args.run_dir.resolve()
     cfg = load_run_config(run / "config.yaml", run.name)

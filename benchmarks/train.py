@@ -5,7 +5,7 @@ In ONE process, for a draft sized for a Llama-3.1-8B target (hidden 4096, target
   (a) bare:  speculators' `Trainer.train_epoch` over synthetic batches already in device memory (built with speculators'
              own CollateFn + shift_batch, so shapes and dtypes are exactly the training ones): the ceiling;
   (b) stage: `eagle3lib.train.train(run_dir)` end to end — stage 02/04 outputs generated here on disk (random hidden
-             states [T, 4, 4096] bf16 in hs_{i}.safetensors through eagle3lib.shards, a random verifier
+             states [T, 4, 4096] bf16 in hs_{i}.safetensors through eagle3lib.common.shards, a random verifier
              embed/lm_head/norm read by eagle3lib.verifier), read back through the workbook's data path (speculators'
              ArrowDataset, packing sampler, collate, DataLoader workers, pinned memory, side-stream device prefetch).
 Both use the same resolved settings (`eagle3lib.train.resolve_settings`: flex attention, bf16 autocast, fused loss
@@ -89,10 +89,11 @@ def write_run(work: Path, sz: dict[str, Any], args: argparse.Namespace, gen_devi
     """Stage 02 and 04 outputs on disk, written by the workbook's own writers; returns (cfg, run_dir)."""
     from datasets import Dataset
 
-    from eagle3lib import shards, verifier
-    from eagle3lib.config import load_config
-    from eagle3lib.rundir import RunDir, StageResult, StageRun
-    from eagle3lib.stages import get_stage
+    from eagle3lib import verifier
+    from eagle3lib.common import shards
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.rundir import RunDir, StageResult, StageRun
+    from eagle3lib.common.stages import get_stage
 
     target = write_target(work / "target", sz, gen_device)
     doc_len = sz["packed"] // sz["docs"]
@@ -307,7 +308,7 @@ def main() -> int:
         if getattr(args, key) is not None:
             sz[key] = getattr(args, key)
     args.workers, args.prefetch = sz["workers"], sz["prefetch"]
-    from eagle3lib.device import auto_device
+    from eagle3lib.common.device import auto_device
 
     device = auto_device()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -17,8 +17,8 @@ import socket
 import sys
 from pathlib import Path
 
-from eagle3lib.errors import StageFailed, WorkbookError
-from eagle3lib.stages import ALL_STAGES, NOTEBOOK_DIR, available_stages
+from eagle3lib.common.errors import StageFailed, WorkbookError
+from eagle3lib.common.stages import ALL_STAGES, NOTEBOOK_DIR, available_stages
 
 
 def _interrupt_on_sigterm() -> None:

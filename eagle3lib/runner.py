@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3lib.config import REPO_ROOT, load_run_config, resolve_config_path, run_overrides
-from eagle3lib.errors import StageFailed, WorkbookError
-from eagle3lib.rundir import RunDir, cache_root
-from eagle3lib.stages import EXECUTED_NOTEBOOKS_ENV, Stage, parse_selection
-from eagle3lib.target import check_tokenizer, resolve_target
+from eagle3lib.common.config import REPO_ROOT, load_run_config, resolve_config_path, run_overrides
+from eagle3lib.common.errors import StageFailed, WorkbookError
+from eagle3lib.common.rundir import RunDir, cache_root
+from eagle3lib.common.stages import EXECUTED_NOTEBOOKS_ENV, Stage, parse_selection
+from eagle3lib.common.target import check_tokenizer, resolve_target
 
 KERNEL = "python3"  # the kernel of the interpreter that runs papermill: the workbook's venv
 

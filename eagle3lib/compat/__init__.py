@@ -283,7 +283,7 @@ def required_tags(cfg: Any, on_cpu: bool | None = None) -> set[str]:
     model = str(getattr(cfg.target, "model", ""))
     config = _checkpoint_config(model)
     if model.startswith("embedded:"):
-        from eagle3lib import embedded
+        from eagle3lib.common import embedded
 
         tags.add("transformers-gguf")
         tags.add(f"gguf:{embedded.lookup(model).architecture}")
@@ -316,7 +316,7 @@ def _model_type(model: str, config: dict[str, Any]) -> str | None:
     """The target's (language model's) HF model_type: an embedded target's GGUF architecture (the same word for
     llama and qwen2), else config.json's, under text_config for a multimodal wrapper."""
     if model.startswith("embedded:"):
-        from eagle3lib import embedded
+        from eagle3lib.common import embedded
 
         return embedded.lookup(model).architecture
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -326,7 +326,7 @@ def _model_type(model: str, config: dict[str, Any]) -> str | None:
 def check_required(results: list[Any], tags: set[str]) -> list[Any]:
     """The results that block this configuration: a needed contract that is broken (mismatch/error/not installed)
     and not repaired. Raises WorkbookError naming ALL of them; returns [] when none."""
-    from eagle3lib.errors import WorkbookError
+    from eagle3lib.common.errors import WorkbookError
 
     broken = [r for r in results if set(r.needs) & tags and r.status in ("mismatch", "error", "not installed")]
     if broken:

@@ -90,7 +90,7 @@ def probe_fp8_transfer(cls: Any) -> str | None:
 
     import torch
 
-    from eagle3lib import shards
+    from eagle3lib.common import shards
 
     states = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(0)) * torch.tensor([1., 4., 16., 64.])[:, None]
     ids = torch.arange(5)

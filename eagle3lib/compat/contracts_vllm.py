@@ -141,7 +141,7 @@ def probe_serve_grid_keys(cls: Any) -> str | None:
     start minutes into stage 06)."""
     from vllm.config.scheduler import SchedulerConfig
 
-    from eagle3lib.config import SERVE_GRID_BOOLS, SERVE_GRID_INTS
+    from eagle3lib.common.config import SERVE_GRID_BOOLS, SERVE_GRID_INTS
 
     wanted = [k for k in (*SERVE_GRID_BOOLS, *SERVE_GRID_INTS) if k != "async_scheduling"]
     missing = [k for k in wanted if k not in _fields(cls)]

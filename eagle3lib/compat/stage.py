@@ -15,10 +15,10 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib.common import atomic
+from eagle3lib.common.rundir import StageResult, StageRun
 from eagle3lib.compat import apply_all, audit, check_required, required_tags
 from eagle3lib.compat.contracts import AuditResult
-from eagle3lib.rundir import StageResult, StageRun
 
 _COLOURS = {"ok": "#d4edda", "repaired": "#d1ecf1", "applied": "#d1ecf1", "not needed": "#f1f3f5",
             "not installed": "#fff3cd", "mismatch": "#f8d7da", "error": "#f8d7da"}

@@ -29,7 +29,7 @@ settings, or not) and the command that serves it.
     compare.py     `eagle3 compare`: runs and their drafters side by side
 
 Run it: `eagle3 run --config configs/demo.yaml --stages 06`, or in Python `finish(stage, run(stage))` with
-`stage = eagle3lib.rundir.open_stage("06", config)`. The notebook calls the same steps one by one.
+`stage = eagle3lib.common.rundir.open_stage("06", config)`. The notebook calls the same steps one by one.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3lib.common.rundir import StageResult, StageRun
 from eagle3lib.evaluate.figures import draw_figures
 from eagle3lib.evaluate.inputs import EvalInputs, inputs_from_run
 from eagle3lib.evaluate.keys import LIVE, VLLM
@@ -52,7 +53,6 @@ from eagle3lib.evaluate.report import (
     write_report,
 )
 from eagle3lib.evaluate.serve import sweep as serve_sweep
-from eagle3lib.rundir import StageResult, StageRun
 
 __all__ = ["EvalInputs", "EvaluateResult", "FinishedMethods", "benchmark_table", "draw_figures", "finish",
            "held_out_group_table", "inputs_from_run", "measure", "report_card", "report_for_notebook", "run",

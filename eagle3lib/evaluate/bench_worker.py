@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +76,7 @@ class BenchWorker:
     the server it loads while it waits, stop it."""
 
     def __init__(self, workdir: Path, env: dict[str, str]):
-        from eagle3lib.processes import popen_with_parent
+        from eagle3lib.common.processes import popen_with_parent
 
         self.log_path = Path(workdir) / "bench.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ class BenchWorker:
     def _line(self, server: Any, timeout_s: float) -> dict[str, Any]:
         """The worker's next reply; meanwhile the server is checked every second (one that dies mid-level raises
         with its log at once, not when the benchmark's requests time out)."""
-        from eagle3lib.processes import log_tail
+        from eagle3lib.common.processes import log_tail
 
         deadline = time.perf_counter() + timeout_s
         fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
@@ -115,7 +115,7 @@ class BenchWorker:
 
     def run(self, argv: list[str], server: Any, timeout_s: float = 6 * 3600) -> float:
         """One `vllm bench serve ARGV` against `server`; its seconds. A failure raises with the log's last lines."""
-        from eagle3lib.processes import log_tail
+        from eagle3lib.common.processes import log_tail
 
         if not self._ready:
             self._line(server, timeout_s=900)
@@ -130,7 +130,7 @@ class BenchWorker:
         return float(out["seconds"])
 
     def close(self) -> None:
-        from eagle3lib.processes import stop_process_tree
+        from eagle3lib.common.processes import stop_process_tree
 
         if self.proc.poll() is None:
             try:

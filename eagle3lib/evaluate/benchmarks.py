@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from eagle3lib import atomic, jsonl
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic, jsonl
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.inputs import EvalInputs
 

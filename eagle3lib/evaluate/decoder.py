@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from eagle3lib.errors import WorkbookError
-from eagle3lib.head import greedy_from_final  # the one home of "final norm + lm_head" (stage 02 uses it too)
+from eagle3lib.common.decode_walk import decode_path
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.head import greedy_from_final  # the one home of "final norm + lm_head" (stage 02 uses it too)
 
 # --------------------------------------------------------------------------------------------- acceptance counts
 
@@ -376,22 +377,6 @@ def accepted_lengths(draft: Draft, aux: torch.Tensor, tokens: torch.Tensor, gree
         ok = (preds == want) & (want >= 0)
         out.append(ok.long().cumprod(dim=1).sum(dim=1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
-
-
-def decode_path(lengths_by_start: dict[int, int], first_start: int, last_index: int) -> list[tuple[int, int]]:
-    """The (start, accepted) pairs a greedy chain decoder visits: start at the prompt's end, jump accepted + 1.
-
-    first_start = n - 1 (the draft's first start is the position before the first generated token x_n);
-    last_index = L - 1 (the last verified token). Replaying the decoder's walk on the same continuation gives the
-    decoder's own counts: this is what makes the offline and embedded numbers comparable.
-    """
-    path = []
-    i = first_start
-    while i + 1 < last_index:
-        a = lengths_by_start[i]
-        path.append((i, a))
-        i += a + 1
-    return path
 
 
 def simulate_continuation(draft: Draft, aux: torch.Tensor, tokens: Sequence[int], prompt_len: int,

@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import plots
+from eagle3lib.common import plots
+from eagle3lib.common.rundir import StageRun
 from eagle3lib.evaluate import serve_report
 from eagle3lib.evaluate.keys import BENCH_PATH, EMBEDDED, HELD_OUT, HELDOUT_PATH, LIVE, NGRAM_SERVE, serve_row
-from eagle3lib.rundir import StageRun
 
 
 def _label_and_save(fig: Any, ax: Any, path: Path, title: str, xlabel: str | None, ylabel: str) -> Any:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import jsonl, shards
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import StageRun, cache_root
+from eagle3lib.common import jsonl, shards
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import StageRun, cache_root
 
 
 @dataclass
@@ -41,7 +41,7 @@ class EvalInputs:
     @property
     def checkpoint(self) -> Path | None:
         """The EAGLE-3 draft, the one the workbook's own decoder and its in-process vLLM job follow (None: stage 05
-        trained no EAGLE-3 draft; eagle3lib.drafters.EAGLE3_ONLY_METHODS)."""
+        trained no EAGLE-3 draft; eagle3lib.common.drafters.EAGLE3_ONLY_METHODS)."""
         return self.drafts.get("eagle3")
 
 

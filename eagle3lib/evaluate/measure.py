@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
-from eagle3lib.config import benchmark_name
-from eagle3lib.device import auto_device, dtype_name, torch_dtype
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic
+from eagle3lib.common.config import benchmark_name
+from eagle3lib.common.device import auto_device, dtype_name, torch_dtype
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import StageRun
+from eagle3lib.common.target import load_tokenizer
 from eagle3lib.evaluate import benchmarks
 from eagle3lib.evaluate.inputs import (
     EvalInputs,
@@ -43,8 +45,6 @@ from eagle3lib.evaluate.methods import (
     run_offline_rows,
     run_vllm,
 )
-from eagle3lib.rundir import StageRun
-from eagle3lib.target import load_tokenizer
 
 
 def methods_for(configured: list[str], algorithms: list[str]) -> tuple[list[str], dict[str, list[str]],
@@ -52,7 +52,7 @@ def methods_for(configured: list[str], algorithms: list[str]) -> tuple[list[str]
     """Which of evaluate.methods run, and which drafter each measures: the offline, embedded and vllm methods
     follow the EAGLE-3 draft only (drafters.EAGLE3_ONLY_METHODS), serve measures every drafter, ngram none.
     Returns (the methods that run, {algorithm: the methods that measure it}, {method: why it does not run})."""
-    from eagle3lib.drafters import EAGLE3_ONLY_METHODS
+    from eagle3lib.common.drafters import EAGLE3_ONLY_METHODS
 
     skipped = {m: f"follows the EAGLE-3 draft only, and stage 05 trained {', '.join(algorithms)}"
                for m in configured if m in EAGLE3_ONLY_METHODS and "eagle3" not in algorithms}

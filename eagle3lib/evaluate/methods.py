@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from eagle3lib import atomic
-from eagle3lib.device import torch_dtype
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic
+from eagle3lib.common.device import torch_dtype
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.evaluate import benchmarks
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.inputs import (
@@ -208,7 +208,7 @@ def run_offline_rows(draft: Any, inp: EvalInputs, ks: list[int], max_rows: int |
     from datasets import load_from_disk
     from tqdm.auto import tqdm
 
-    from eagle3lib import shards
+    from eagle3lib.common import shards
     from eagle3lib.evaluate.decoder import simulate_rows
     from eagle3lib.verifier import read_head
 

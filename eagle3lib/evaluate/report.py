@@ -17,7 +17,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib.common import atomic
+from eagle3lib.common.rundir import RunDir, manifest_file
+from eagle3lib.common.stages import ALL_STAGES, EXECUTED_NOTEBOOKS_ENV
 from eagle3lib.evaluate import serve_report
 from eagle3lib.evaluate.keys import (
     BENCH_ALL,
@@ -34,8 +36,6 @@ from eagle3lib.evaluate.keys import (
     VLLM,
     serve_row,
 )
-from eagle3lib.rundir import RunDir, manifest_file
-from eagle3lib.stages import ALL_STAGES, EXECUTED_NOTEBOOKS_ENV
 
 
 def per_position(acceptance: dict[str, Any]) -> str | None:
@@ -206,7 +206,7 @@ def training_lines(rd: RunDir, m05: dict[str, Any]) -> list[str]:
     of every drafter's headline numbers (a column each)."""
     if not m05:
         return ["(stage 05 has not run)", ""]
-    from eagle3lib.drafters import title
+    from eagle3lib.common.drafters import title
 
     metrics, outputs = m05.get("metrics", {}), m05.get("outputs", {})
     algorithms = metrics.get("algorithms") or []

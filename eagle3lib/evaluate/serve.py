@@ -3,7 +3,7 @@ is it served.
 
 The real OpenAI-compatible server (`vllm serve`, `server.VllmServer`) starts once per drafter of train.algorithms and
 setting of `evaluate.serve_grid` with that draft (`--speculative-config` with vLLM's method for the drafter:
-eagle3lib.drafters.speculative_config, and the setting's keys: k, the drafter's options, async scheduling), and once
+eagle3lib.common.drafters.speculative_config, and the setting's keys: k, the drafter's options, async scheduling), and once
 without: one after another, or all at once side by side on the
 same GPUs (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest start instead of their sum;
 `all_up`), then measured a level at a time, each server in turn, the target alone at both ends (`level_rounds`); at
@@ -49,8 +49,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic, jsonl
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic, jsonl
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.keys import NGRAM_SERVE, serve_row
 from eagle3lib.evaluate.methods import (
@@ -139,11 +139,11 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     """Stage 06's serve step, after `measure.measure` (when 'serve' is in evaluate.methods): the same held-out
     prompts, target, draft and dtype; adds results["serve"] and the server's acceptance row, rewrites
     eval/results.json. Returns the results."""
-    from eagle3lib.config import benchmark_name
-    from eagle3lib.device import auto_device, dtype_name
+    from eagle3lib.common.config import benchmark_name
+    from eagle3lib.common.device import auto_device, dtype_name
+    from eagle3lib.common.target import load_tokenizer
     from eagle3lib.evaluate import benchmarks
     from eagle3lib.evaluate.inputs import held_out_groups, held_out_prompt_ids, inputs_from_run
-    from eagle3lib.target import load_tokenizer
 
     cfg = stage.cfg
     if "serve" not in cfg.evaluate.methods:
@@ -212,8 +212,8 @@ class ServeSweep:
     def __init__(self, cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str,
                  fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
                  group_labels: list[str] | None) -> None:
-        from eagle3lib.device import on_cpu
-        from eagle3lib.target import tokenizer_dir
+        from eagle3lib.common.device import on_cpu
+        from eagle3lib.common.target import tokenizer_dir
 
         self.cfg, self.inp, self.tok, self.prompts, self.workdir = cfg, inp, tok, prompts, workdir
         self.bench_items, self.group_labels, self.dname = bench_items, group_labels, dname
@@ -297,9 +297,9 @@ class ServeSweep:
         however this ends (SIGTERM included)."""
         from tqdm.auto import tqdm
 
+        from eagle3lib.common.processes import interrupt_on_sigterm
         from eagle3lib.evaluate.bench_worker import BenchWorker
         from eagle3lib.evaluate.server import server_environment
-        from eagle3lib.processes import interrupt_on_sigterm
 
         self.bar = tqdm(total=sum(len(t) for t in self.todo.values()), desc="serve", unit="level",
                         disable=not progress)

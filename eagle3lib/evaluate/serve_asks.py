@@ -136,7 +136,7 @@ def tie_check(cfg: Any, inp: Any, prompts: list[list[int]], base_out: list[list[
         return {v: {"differ_at_a_tie": 0, "differ_otherwise": 0, "divergences": []} for v in spec_outs}
     import torch
 
-    from eagle3lib.device import torch_dtype
+    from eagle3lib.common.device import torch_dtype
     from eagle3lib.evaluate.decoder import first_divergence
     from eagle3lib.evaluate.methods import load_target
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import drafters
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import drafters
+from eagle3lib.common.errors import WorkbookError
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -38,7 +38,7 @@ class ServerPlan:
     spec: dict[str, Any] | None  # its --speculative-config (None: the target alone)
     flags: tuple[str, ...] = ()  # the setting's other `vllm serve` flags (async scheduling)
     label: str | None = None  # the draft's setting as the report names it ("k=3 async=off"); None for the others
-    algorithm: str | None = None  # the drafter (eagle3lib.drafters); None for the others
+    algorithm: str | None = None  # the drafter (eagle3lib.common.drafters); None for the others
 
     @property
     def slug(self) -> str:

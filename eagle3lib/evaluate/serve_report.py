@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import plots
+from eagle3lib.common import plots
 from eagle3lib.evaluate.keys import NO_DRAFT
 
 DEMO_PROMPTS = 16  # fewer held-out prompts than this, or a CPU, and the sweep is a demonstration, not a measurement
@@ -37,7 +37,7 @@ def draft_cell(level: dict[str, Any]) -> dict[str, Any]:
 
 
 def _title(algorithm: str) -> str:
-    from eagle3lib.drafters import title
+    from eagle3lib.common.drafters import title
 
     return title(algorithm)
 

@@ -54,7 +54,7 @@ def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: s
 def data_curve_path(cfg: Any, run_root: Path) -> Path:
     """Where the verdict looks for the run's data-volume curve: evaluate.data_curve (relative to the repo root),
     else DATA_CURVE in the run folder."""
-    from eagle3lib.config import REPO_ROOT
+    from eagle3lib.common.config import REPO_ROOT
 
     if cfg.evaluate.data_curve:
         path = Path(cfg.evaluate.data_curve).expanduser()

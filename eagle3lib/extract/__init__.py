@@ -23,12 +23,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import plots
+from eagle3lib.common import plots
+from eagle3lib.common.rundir import StageResult, StageRun
+from eagle3lib.common.target import ResolvedTarget, resolve_target
 from eagle3lib.extract import prepare as _prepare
 from eagle3lib.extract.capture import capture_dataset, plan
 from eagle3lib.extract.prepare import Prepared
-from eagle3lib.rundir import StageResult, StageRun
-from eagle3lib.target import ResolvedTarget, resolve_target
 
 __all__ = ["Prepared", "ResolvedTarget", "capture_dataset", "plan", "plot_lengths", "prepare_data", "resolve_target",
            "run"]

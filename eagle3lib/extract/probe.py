@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from eagle3lib import atomic
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
 
 # The judging lives in probe_checks; its names stay importable from here (eagle3lib.extract.probe.<name>).
 from eagle3lib.extract.probe_checks import CAUSES as CAUSES
@@ -93,10 +93,10 @@ def reference_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 
 def compute_dtype(cfg: WorkbookConfig, backend: Any) -> str:
     """The dtype the backend's forward runs in: the transformers backend's own, else what `target.dtype` gives a
-    vLLM engine on this machine (eagle3lib.device)."""
+    vLLM engine on this machine (eagle3lib.common.device)."""
     if isinstance(getattr(backend, "compute_dtype", None), torch.dtype):
         return str(backend.compute_dtype).removeprefix("torch.")
-    from eagle3lib.device import dtype_name
+    from eagle3lib.common.device import dtype_name
 
     return dtype_name(cfg.target.dtype)
 
@@ -267,7 +267,7 @@ def complete(cfg: WorkbookConfig, obs: Observed, model_dir: Path) -> Observed:
 def _transformers_reference(cfg: WorkbookConfig, model_dir: Path, ids: list[int],
                             rows: list[tuple[int, list[int]]]) -> SecondPath:
     """The target loaded with transformers on the CPU (float32 states) over each row's first REFERENCE_TOKENS."""
-    from eagle3lib.target import checkpoint_bytes
+    from eagle3lib.common.target import checkpoint_bytes
 
     path = SecondPath("transformers on the CPU (a second load of the target)", ids)
     size = checkpoint_bytes(model_dir)

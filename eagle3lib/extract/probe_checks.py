@@ -2,7 +2,7 @@
 is measured, the tolerances, the checks, and the one error a failure raises.
 
 - Final state, at any scale. The captured final slot (the last layer's output before the final norm), through the
-  target's final norm and lm_head read from the checkpoint without loading the model (eagle3lib.head; the tensors of
+  target's final norm and lm_head read from the checkpoint without loading the model (eagle3lib.common.head; the tensors of
   stage 04's reader), must reproduce the engine's own next-token distribution on the same tokens: vLLM's logprobs
   from the same engine and the same forwards (prompt logprobs for the first, longest row, compared at up to 256
   evenly spaced positions; the sampled token's logprobs for the others, because a request asking for prompt
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 
 TOP_K = 5  # engine logprobs asked for per position (vLLM's max_logprobs default is 20)
 POSITIONS_PER_ROW = 64  # positions per row whose next-token distribution is compared (evenly spaced, last included)
@@ -263,8 +263,8 @@ def compared(dist: EngineDist, length: int) -> list[int]:
 def check_final(obs: Observed, layer_ids: list[int], tol: Tolerance) -> list[Check]:
     """The final slot through the checkpoint's norm and lm_head against the engine's own logprobs, at the positions
     `compared` picks (the head applied once to all rows' positions: one pass over it, however many rows)."""
-    from eagle3lib.device import cpu_has_amx
-    from eagle3lib.head import final_logits
+    from eagle3lib.common.device import cpu_has_amx
+    from eagle3lib.common.head import final_logits
 
     if obs.head is None or not obs.engine:
         return []

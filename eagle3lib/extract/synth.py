@@ -34,8 +34,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import DataSource, WorkbookConfig
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import DataSource, WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.extract.dedup import EvalIndex, normalize
 from eagle3lib.extract.generators import Generator, cache_key, finish_stats, generate_cached, new_stats, read_cache
 

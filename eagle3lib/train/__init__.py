@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3lib.rundir import StageRun
+from eagle3lib.common.rundir import StageRun
 from eagle3lib.train.checkpoint import prepare_checkpoint_dir, reload_checkpoint
 from eagle3lib.train.curves import curves_table, expected_acceptance_length, plot_curves
 from eagle3lib.train.inputs import TrainInputs, inputs_from_run

@@ -13,10 +13,10 @@ import math
 import os
 from pathlib import Path
 
-from eagle3lib import atomic, drafters
-from eagle3lib.config import TrainSection
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import RunDir
+from eagle3lib.common import atomic, drafters
+from eagle3lib.common.config import TrainSection
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import RunDir
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.speculators_glue import is_rank0
 from eagle3lib.train.vllm_loadable import pin_aux_layer_count

@@ -103,8 +103,8 @@ def plot_curves(curves: dict[str, Any], path: str | Path | None = None):
     """Three panels: the loss (EAGLE-3: per TTT step), the acceptance per draft position, the expected acceptance
     length (train steps, train epoch means, validation incl. the untrained draft at step 0). Saved as PNG when `path`
     is given."""
-    from eagle3lib.drafters import title
-    from eagle3lib.plots import figure, integer_ticks, save_show
+    from eagle3lib.common.drafters import title
+    from eagle3lib.common.plots import figure, integer_ticks, save_show
 
     algorithm, k = curves["algorithm"], curves["positions"]
     fig, axes = figure(1, 3, figsize=(15, 4))

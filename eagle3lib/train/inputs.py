@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib import shards
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import RunDir
-from eagle3lib.target import tokenizer_dir
+from eagle3lib.common import shards
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import RunDir
+from eagle3lib.common.target import tokenizer_dir
 
 
 @dataclass

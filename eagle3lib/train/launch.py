@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import REPO_ROOT, load_run_config
-from eagle3lib.rundir import RunDir, StageRun, open_stage, run_root
+from eagle3lib.common.config import REPO_ROOT, load_run_config
+from eagle3lib.common.rundir import RunDir, StageRun, open_stage, run_root
 from eagle3lib.train.checkpoint import draft_dir
 from eagle3lib.train.loop import train
 from eagle3lib.train.result import summarize
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         stage = open_stage("05", a.config, a.run, a.overrides)
         rd = stage.rd
     else:  # other torchrun ranks: same config, but no racing on open_stage's write probe in the run directory
-        from eagle3lib import quiet
+        from eagle3lib.common import quiet
 
         quiet.setup()  # the logging rule open_stage sets on rank 0 (their output reaches the same notebook)
         cfg = load_run_config(a.config, a.run, a.overrides)

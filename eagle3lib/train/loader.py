@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from eagle3lib.config import TrainSection
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import TrainSection
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.settings import Resolved
 
@@ -106,14 +106,14 @@ def make_loaders(inp: TrainInputs, tcfg: TrainSection, res: Resolved, seed: int 
     pinned memory only where there is a GPU to copy to). `transfer`: an `online.OnlineTransfer` (online mode: the
     batches' states come from the target, already on the device, so nothing is pinned); `spool`: a `spool.Spool`
     (spool mode: shards read from, and deleted in, the spool folder); neither = stage 02's shards. `algorithm`: the
-    drafter whose preprocessing the collate applies (eagle3lib.drafters.preprocess)."""
+    drafter whose preprocessing the collate applies (eagle3lib.common.drafters.preprocess)."""
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.dataloader import _worker_init_fn
     from speculators.train.distributed import get_dp_rank, get_dp_size
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-    from eagle3lib.drafters import preprocess
-    from eagle3lib.shards import shard_dir
+    from eagle3lib.common.drafters import preprocess
+    from eagle3lib.common.shards import shard_dir
 
     dtype = getattr(torch, res.hidden_states_dtype)
     online = transfer is not None

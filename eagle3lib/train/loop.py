@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from eagle3lib import atomic, shards
-from eagle3lib.config import TrainSection, WorkbookConfig
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import RunDir
+from eagle3lib.common import atomic, shards
+from eagle3lib.common.config import TrainSection, WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import RunDir
 from eagle3lib.train.checkpoint import (
     checkpoint_params,
     checkpoints_dir,
@@ -86,8 +86,8 @@ def train_one(rd: RunDir, algorithm: str, inp: TrainInputs, res: Resolved, patch
 
         transfer = make_transfer(cfg, inp, res)
     elif tcfg.hidden_states == "spool":
+        from eagle3lib.common.processes import interrupt_on_sigterm
         from eagle3lib.extract.capture import shard_spec
-        from eagle3lib.processes import interrupt_on_sigterm
         from eagle3lib.train.spool import make_spool
 
         spool = make_spool(rd.path("spool"), tcfg.spool_bytes, inp.dataset_dir,

@@ -34,10 +34,10 @@ from hs_connectors.transfer import HiddenStatesTransfer
 from speculators.train.data import ArrowDataset
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-from eagle3lib import device as devices
-from eagle3lib import shards
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import device as devices
+from eagle3lib.common import shards
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.extract.backends.transformers_backend import FIT_SHARE, TransformersBackend, target_bytes
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.settings import Resolved

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.rundir import RunDir, StageResult
+from eagle3lib.common.rundir import RunDir, StageResult
 from eagle3lib.train.curves import plot_curves
 
 METRIC_KEYS = ("val_eal", "val_tau_walk", "val_eal_untrained", "val_loss", "val_full_acc", "train_eal", "global_step",

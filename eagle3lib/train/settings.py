@@ -3,7 +3,7 @@ reasons.
 
 sdpa attention + eager loss + fp32 on the CPU; on a GPU flex attention + bf16 autocast, and the fused (Triton) loss
 only when a quick behavioural probe passes (on torch 2.11 it fails inside dynamo, docs/engines.md#fused-loss-on-the-h200;
-we then log why and use the eager loss). The device and the bf16/fp32 rule are eagle3lib.device's, shared with
+we then log why and use the eager loss). The device and the bf16/fp32 rule are eagle3lib.common.device's, shared with
 stages 02 and 06.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle3lib.config import TrainSection
-from eagle3lib.device import auto_device, dtype_name
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import TrainSection
+from eagle3lib.common.device import auto_device, dtype_name
+from eagle3lib.common.errors import WorkbookError
 
 log = logging.getLogger("eagle3lib.train")
 
@@ -88,7 +88,7 @@ def probe_fused_loss(device: str = "cuda") -> tuple[bool, str]:
 
 
 def resolve_settings(tcfg: TrainSection, device: str | None = None) -> Resolved:
-    """Turn the config's 'auto' values into concrete ones for this machine (`device` None: eagle3lib.device's)."""
+    """Turn the config's 'auto' values into concrete ones for this machine (`device` None: eagle3lib.common.device's)."""
     device = auto_device(device or "auto")
     reasons: list[str] = []
     if tcfg.draft_attn_impl == "auto":

@@ -2,7 +2,7 @@
 
 What this module adds around speculators (and nothing else: no second implementation of any drafter):
   * `speculators_train_config` / `build_draft` / `trainer_config`: the drafter's `from_training_args` (eagle3,
-    peagle or dflash: eagle3lib.drafters) through speculators' own `build_draft_model` (so every default — draft
+    peagle or dflash: eagle3lib.common.drafters) through speculators' own `build_draft_model` (so every default — draft
     layers and architecture, norms, sliding window, rope, DFlash's block size and loss — is speculators' own for that
     drafter), and its TrainerConfig (optimizer, muon, schedule) mapped as `speculators train` maps it, with every
     knob from `cfg.train`;
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from eagle3lib import drafters
-from eagle3lib.config import TrainSection
+from eagle3lib.common import drafters
+from eagle3lib.common.config import TrainSection
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.settings import Resolved
 
@@ -110,7 +110,7 @@ def check_head_dim(verifier_dir: Path, algorithm: str) -> None:
 
     cfg = json.loads((Path(verifier_dir) / "config.json").read_text())
     if (cfg.get("text_config") or cfg).get("head_dim") is None:
-        from eagle3lib.errors import WorkbookError
+        from eagle3lib.common.errors import WorkbookError
 
         raise WorkbookError(f"stage 04's verifier config {verifier_dir}/config.json has no head_dim, which speculators "
                             f"builds a {drafters.title(algorithm)} draft layer with",

@@ -34,9 +34,9 @@ from typing import Any
 from speculators.train.data import ArrowDataset
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-from eagle3lib import atomic, shards
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic, shards
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.train.inputs import TrainInputs
 from eagle3lib.train.spool_producer import POLL_S, ProducerProcess, read_status, request_path
 

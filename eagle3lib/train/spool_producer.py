@@ -3,7 +3,7 @@ for, with stage 02's own capture, into the spool folder (docs/engines.md#spool-p
 
 Why a process of its own: a target only vLLM can hold (tensor parallel over several GPUs) cannot live inside the
 training process the way online mode's target does, and a vLLM engine belongs in a child the notebook kernel can
-stop (eagle3lib.processes). Why stage 02's code: `capture_rows` with the configured extract backend (vLLM native or
+stop (eagle3lib.common.processes). Why stage 02's code: `capture_rows` with the configured extract backend (vLLM native or
 the capture worker, with its parallel sizes; or transformers) validates every shard as it writes it, so the spool
 holds exactly what stage 02 would have written for those rows.
 
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic
+from eagle3lib.common.errors import WorkbookError
 
 POLL_S = 0.005  # how often each side looks for the other's next file
 
@@ -84,8 +84,8 @@ class ProducerProcess:
     @classmethod
     def start(cls, job: dict[str, Any], root: Path, log_path: Path) -> ProducerProcess:
         """`python -m eagle3lib.train.spool_producer` on `job` (config, target, layer ids, dataset, spool folder),
-        its output in `log_path`; it dies with this process (eagle3lib.processes.popen_with_parent)."""
-        from eagle3lib.processes import popen_with_parent
+        its output in `log_path`; it dies with this process (eagle3lib.common.processes.popen_with_parent)."""
+        from eagle3lib.common.processes import popen_with_parent
 
         job_path = atomic.write_json(Path(root) / "producer_job.json", {**job, "parent_pid": os.getpid()})
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,11 +102,11 @@ class ProducerProcess:
     def check(self) -> None:
         if self.proc.poll() is None:
             if time.monotonic() - self._below_at > self.BELOW_EVERY_S:
-                from eagle3lib.processes import descendants
+                from eagle3lib.common.processes import descendants
 
                 self.below, self._below_at = descendants(self.proc) or self.below, time.monotonic()
             return
-        from eagle3lib.processes import log_tail
+        from eagle3lib.common.processes import log_tail
 
         raise WorkbookError(
             f"the spool producer exited (code {self.proc.returncode}) while the trainer waited for its hidden states; "
@@ -116,7 +116,7 @@ class ProducerProcess:
             "checkpoint")
 
     def stop(self) -> None:
-        from eagle3lib.processes import stop_process_tree
+        from eagle3lib.common.processes import stop_process_tree
 
         stop_process_tree(self.proc, known=self.below)
 
@@ -126,8 +126,8 @@ def produce(job: dict[str, Any]) -> None:
     """Capture each request in order until the trainer stops this process (SIGTERM) or is gone."""
     from datasets import load_from_disk
 
-    from eagle3lib import shards
-    from eagle3lib.config import WorkbookConfig
+    from eagle3lib.common import shards
+    from eagle3lib.common.config import WorkbookConfig
     from eagle3lib.extract.backends import make_backend
     from eagle3lib.extract.capture import capture_rows, shard_spec
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib.common import atomic
 
 
 def vllm_fc_aux_count(hf: dict[str, Any]) -> int:
@@ -59,7 +59,7 @@ def check_vllm_config(ckpt: str | Path, *, hidden_size: int, aux_layer_ids: list
     method and tokens per step (`draft_tokens`), the verifier path, and the weight names."""
     from safetensors import safe_open
 
-    from eagle3lib.drafters import algorithm_of, checkpoint_config
+    from eagle3lib.common.drafters import algorithm_of, checkpoint_config
 
     algorithm = algorithm_of(ckpt)
     problems: list[str] = []

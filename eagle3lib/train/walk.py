@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
+from eagle3lib.common.decode_walk import decode_path
+
 
 def walk(chain: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
     """(tokens, steps) of decoding every reply in `mask` (1-D bool: the loss positions; a reply is a run of them)
     where a draft started at anchor p is accepted for chain[p] tokens (1-D ints, 0..k): each step moves
-    1 + chain[p] positions, never past the reply's end (the decoder's own walk: `decoder.decode_path`)."""
-    from eagle3lib.evaluate.decoder import decode_path
-
+    1 + chain[p] positions, never past the reply's end (the decoder's own walk: `common.decode_walk.decode_path`)."""
     m = mask.to(torch.int8).tolist()
     c = chain.tolist()
     tokens = steps = 0

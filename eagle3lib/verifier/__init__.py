@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import StageResult, StageRun
-from eagle3lib.target import checkpoint_bytes
+from eagle3lib.common import atomic
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import StageResult, StageRun
+from eagle3lib.common.target import checkpoint_bytes
 from eagle3lib.verifier.draft_vocab import (
     DraftVocab,
     load_token_freq,

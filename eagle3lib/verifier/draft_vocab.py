@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3lib import atomic, plots
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic, plots
+from eagle3lib.common.errors import WorkbookError
 
 
 def load_token_freq(path: str | Path, vocab_size: int) -> dict[int, int]:

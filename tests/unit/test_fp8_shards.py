@@ -8,9 +8,10 @@ import pytest
 import torch
 from hs_connectors.transfer import FileTransfer, FP8Transfer
 
-from eagle3lib import inspect_tensors, shards, train
-from eagle3lib.rundir import RunDir, StageRun
-from eagle3lib.stages import get_stage
+from eagle3lib import inspect_tensors, train
+from eagle3lib.common import shards
+from eagle3lib.common.rundir import RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 from tests.conftest import make_tiny_run
 
 

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3lib import inspect_tensors as hs_inspect
-from eagle3lib import shards
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import StageRun
-from eagle3lib.stages import get_stage
+from eagle3lib.common import shards
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import StageRun
+from eagle3lib.common.stages import get_stage
 
 
 def _stage(cfg, rd) -> StageRun:

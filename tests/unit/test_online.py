@@ -14,11 +14,12 @@ import json
 import pytest
 import torch
 
-from eagle3lib import inspect_tensors, shards, train
-from eagle3lib.errors import WorkbookError
+from eagle3lib import inspect_tensors, train
+from eagle3lib.common import shards
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 from eagle3lib.extract import capture
-from eagle3lib.rundir import RunDir, StageRun
-from eagle3lib.stages import get_stage
 from eagle3lib.train.inputs import check_shards
 from tests.conftest import make_tiny_run, stage02_inputs, stage02_shards
 
@@ -127,8 +128,8 @@ def test_online_and_offline_training_take_the_same_steps(tmp_path, tiny_llama_di
 
 def test_online_refuses_workers_and_a_target_that_does_not_fit(tmp_path, tiny_llama_dir, monkeypatch):
     """(c) Each bad input is one WorkbookError naming the fix, raised before stage 05 writes anything."""
-    from eagle3lib import device as devices
-    from eagle3lib.config import TrainSection
+    from eagle3lib.common import device as devices
+    from eagle3lib.common.config import TrainSection
     from eagle3lib.extract.backends.transformers_backend import target_bytes
 
     with pytest.raises(WorkbookError, match="online needs train.num_workers 0, got 2") as e:

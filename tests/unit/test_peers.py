@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3lib.rundir import RunDir, StageRun
-from eagle3lib.stages import get_stage
+from eagle3lib.common.rundir import RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_speculators_cli_arm_trains_on_the_workbooks_shards(tiny_llama_dir, out_
     from speculators.train.config import TrainConfig
 
     from eagle3lib import evaluate, train, verifier
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import peers

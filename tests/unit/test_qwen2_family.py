@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib.rundir import RunDir, StageRun
-from eagle3lib.stages import get_stage
+from eagle3lib.common.rundir import RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 
 
 def build_tiny_qwen2(out: Path, tie: bool, vocab: int = 512, hidden: int = 64, num_layers: int = 6) -> Path:

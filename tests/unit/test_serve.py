@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # two settings of the draft's server: k = 3 (the first: it answers the benchmarks), and k = 1 with async scheduling
@@ -269,11 +269,11 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     """A run folder whose stages 02, 04 and 05 point at SmolLM2, four held-out prompts and `draft_dir` (stage 06's
     serve step reads nothing else), measured by the draft's servers (GRID), n-gram lookup's and the baseline's;
     returns its config file."""
-    from eagle3lib import atomic
-    from eagle3lib.config import load_config
+    from eagle3lib.common import atomic
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.rundir import RunDir
+    from eagle3lib.common.stages import get_stage
     from eagle3lib.extract import prepare
-    from eagle3lib.rundir import RunDir
-    from eagle3lib.stages import get_stage
 
     cfg = load_config(None, [f"run.output_root={root}", "run.name=serve", f"target.model={target_dir}",
                              "target.dtype=float32", "evaluate.methods=[serve, ngram]", "evaluate.serve_concurrency=[1, 2]",
@@ -315,15 +315,15 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     from test_evaluate import _draft_model
 
     from eagle3lib import evaluate
+    from eagle3lib.common.rundir import open_stage
     from eagle3lib.evaluate.compare import compare_runs
     from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
-    from eagle3lib.rundir import open_stage
 
     _draft_model(smollm2_dir, [2, 15, 27], 2048).save_pretrained(str(tmp_path / "draft"))
     config = make_serve_run(tmp_path / "outputs", smollm2_dir, tmp_path / "draft")
     serve_dir = tmp_path / "outputs" / "serve" / "eval" / "serve"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    code = ("import sys; from eagle3lib import evaluate; from eagle3lib.rundir import open_stage; "
+    code = ("import sys; from eagle3lib import evaluate; from eagle3lib.common.rundir import open_stage; "
             "evaluate.run(open_stage('06', sys.argv[1]), progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(config)], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3lib.config import load_config
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import load_config
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.extract import sources
 from eagle3lib.extract.dedup import EvalIndex, normalize, overlaps
 
@@ -209,7 +209,7 @@ def test_config_never_trains_on_a_benchmark_and_checks_benchmarks():
     with pytest.raises(WorkbookError, match="same name"):
         load_config(None, ["evaluate.benchmarks=[mt_bench, /x/mt_bench.jsonl]"])
     # stage 02 reads evaluate.benchmarks and nothing else of stage 06's section: only they rerun it
-    from eagle3lib.stages import get_stage, lineage_sections
+    from eagle3lib.common.stages import get_stage, lineage_sections
 
     s02 = lineage_sections(get_stage("02"))
     base = load_config(None).section_hash(s02)
@@ -323,7 +323,7 @@ def test_stage_02_never_trains_on_the_math_and_code_benchmarks(tmp_path, smollm2
 
 
 def test_stage_00_estimate_counts_the_package_sources_fast(smollm2_dir):
-    from eagle3lib.extract.estimate import estimate_data
+    from eagle3lib.environment.estimate import estimate_data
 
     cfg = load_config(None, ["data.sources=[{kind: sharegpt}, {kind: writingbench, limit: 100}]",
                              "data.eval_samples=16", "data.max_length=512"])

@@ -25,11 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lib import shards, train
-from eagle3lib.errors import WorkbookError
+from eagle3lib import train
+from eagle3lib.common import shards
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 from eagle3lib.extract.capture import shard_spec
-from eagle3lib.rundir import RunDir, StageRun
-from eagle3lib.stages import get_stage
 from eagle3lib.train.spool import make_spool
 from eagle3lib.train.spool_producer import folder_bytes
 from tests.conftest import build_tiny_llama, make_tiny_run, stage02_inputs, stage02_shards
@@ -114,7 +115,7 @@ def test_stages_02_03_treat_spool_like_online_and_what_spool_cannot_do_is_refuse
     """Stage 02 writes the sample shards only (the one rule, shards.sample_shards_only), stage 03 inspects those and
     names the mode; loader workers, several training processes and a torchrun are each one clear error."""
     from eagle3lib import inspect_tensors
-    from eagle3lib.config import TrainSection, load_config
+    from eagle3lib.common.config import TrainSection, load_config
     from eagle3lib.extract import capture
 
     assert [shards.sample_shards_only(m) for m in ("offline", "online", "spool")] == [False, True, True]
@@ -262,7 +263,7 @@ def test_sigterm_or_ctrl_c_mid_epoch_stops_the_producer_and_empties_the_spool(tm
                                                                              monkeypatch):
     """SIGTERM (a scheduler, `timeout`) and SIGINT (Ctrl-C) to this process while it trains in spool mode, stalled in
     the loader at its second training batch (the producer is then running): the training ends through its
-    `finally` (SIGTERM as KeyboardInterrupt, eagle3lib.processes.interrupt_on_sigterm), which stops the producer and
+    `finally` (SIGTERM as KeyboardInterrupt, eagle3lib.common.processes.interrupt_on_sigterm), which stops the producer and
     everything under it and removes the spool folder. (SIGKILL: tests/e2e/test_reliability.py.)"""
     import psutil
 

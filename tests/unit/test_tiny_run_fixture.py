@@ -3,7 +3,7 @@
 import torch
 from datasets import load_from_disk
 
-from eagle3lib import shards
+from eagle3lib.common import shards
 
 
 def test_tiny_run_matches_the_contract(tiny_run):
@@ -23,7 +23,7 @@ def test_shard_writer_refuses_the_seed_bug(tiny_run, tmp_path):
     """The seed's bug: one layer of four kept and the rest flattened — caught before it reaches the disk."""
     import pytest
 
-    from eagle3lib.errors import WorkbookError
+    from eagle3lib.common.errors import WorkbookError
 
     _, rd = tiny_run
     data = shards.read_shard(shards.shard_path(rd.output("02", "dataset"), 0))

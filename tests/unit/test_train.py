@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from eagle3lib import train
-from eagle3lib.errors import WorkbookError
-from eagle3lib.rundir import RunDir, StageRun
-from eagle3lib.stages import get_stage
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import RunDir, StageRun
+from eagle3lib.common.stages import get_stage
 
 TRAIN_OVERRIDES = {"epochs": 2, "packing_length": 256, "lr": 3e-3}
 
@@ -66,7 +66,7 @@ def test_cpu_patch_detect_apply_idempotent_revert():
 
 
 def test_auto_settings_on_cpu_and_refusals():
-    from eagle3lib.config import TrainSection
+    from eagle3lib.common.config import TrainSection
 
     res = train.resolve_settings(TrainSection(), "cpu")
     assert (res.attn_impl, res.loss_implementation, res.hidden_states_dtype) == ("sdpa", "eager", "float32")
@@ -215,7 +215,7 @@ def test_train_fraction_trains_on_the_first_share_of_the_rows(trained_run, tmp_p
     point from the same extraction), validates on all the validation rows, and says so in result.json."""
     from datasets import load_from_disk
 
-    from eagle3lib.rundir import fork_run
+    from eagle3lib.common.rundir import fork_run
 
     cfg, rd, full = trained_run
     n_train = rd.read_manifest("02")["metrics"]["train_rows"]
@@ -273,8 +273,8 @@ def test_stage_05_under_torchrun_with_two_processes(tiny_run, tmp_path):
     result = json.loads(rd.path("draft", "eagle3", "result.json").read_text())
     curves = json.loads(rd.path("draft", "eagle3", "curves.json").read_text())
     # one process on a copy of the run: each of the 2 ranks took half of its batches
-    from eagle3lib.config import load_config
-    from eagle3lib.rundir import fork_run
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.rundir import fork_run
 
     single_cfg = load_config(config, [f"run.name={rd.root.name}-single"])
     single = train.train(RunDir(fork_run(rd.root, rd.root.parent / f"{rd.root.name}-single"), single_cfg),

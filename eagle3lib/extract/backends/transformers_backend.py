@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.device import resolve_devices, torch_dtype
-from eagle3lib.errors import WorkbookError
-from eagle3lib.shards import DTYPES
-from eagle3lib.target import checkpoint_bytes
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.device import resolve_devices, torch_dtype
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.shards import DTYPES
+from eagle3lib.common.target import checkpoint_bytes
 
 
 def plan_batches(rows: list[tuple[int, list[int]]], batch_tokens: int) -> list[list[tuple[int, list[int]]]]:

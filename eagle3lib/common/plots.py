@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.atomic import atomic_path
+from eagle3lib.common.atomic import atomic_path
 
 
 def in_notebook() -> bool:

@@ -27,8 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3lib.atomic import atomic_path
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.atomic import atomic_path
+from eagle3lib.common.errors import WorkbookError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,  # names in a file's header

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import GENERATED_KINDS, WorkbookConfig
-from eagle3lib.extract.sources import load_source, prompt_key
-from eagle3lib.target import load_tokenizer
+from eagle3lib.common.config import GENERATED_KINDS, WorkbookConfig
+from eagle3lib.common.sources import load_source, prompt_key
+from eagle3lib.common.target import load_tokenizer
 
 UNKNOWN_ROWS = 10_000  # rows assumed for a source whose size cannot be known before stage 02 (stated as such)
 EXACT_TEXTS = 2_000  # texts tokenized exactly; later ones count at the characters per token measured on these

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.errors import WorkbookError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import REPO_ROOT
+from eagle3lib.common.config import REPO_ROOT
 
 LOG_TAIL_LINES = 12
 ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception)\b: ")  # an exception's last line, e.g. torch.OutOfMemoryError: ...

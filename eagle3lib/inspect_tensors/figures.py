@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from eagle3lib import plots, shards
-from eagle3lib.errors import WorkbookError
-from eagle3lib.inspect_stats import HIST_BINS, HIST_LOG10, POS_BUCKETS, SlotStats, bucket_label
-
-if TYPE_CHECKING:
-    from eagle3lib.inspect_tensors import Inspection
+from eagle3lib.common import plots, shards
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.inspect_tensors.stats import HIST_BINS, HIST_LOG10, POS_BUCKETS, SlotStats, bucket_label
 
 
 def _slot_names(layer_ids: list[int]) -> list[str]:
@@ -127,8 +124,9 @@ def fig_example_heatmap(hidden_states: torch.Tensor, layer_ids: list[int], index
 FIGURES = ("norm_hist", "dim_std", "cos_heatmap", "norm_by_position", "example_heatmap")
 
 
-def make_figure(result: Inspection, name: str, rd: Any, example_index: int = 0) -> Path:
-    """One stage-03 figure (a name of FIGURES), saved as figures/03_<name>.png (and shown inline in a notebook)."""
+def make_figure(result: Any, name: str, rd: Any, example_index: int = 0) -> Path:
+    """One stage-03 figure (a name of FIGURES) of a pass's result (the stage's `Inspection`: its stats, layer ids,
+    dataset and rows), saved as figures/03_<name>.png (and shown inline in a notebook)."""
     if name == "example_heatmap":
         if result.online_rows is not None and example_index not in result.online_rows:
             raise WorkbookError(f"inspect.example_index={example_index} has no shard: stage 02 ran "

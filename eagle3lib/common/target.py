@@ -2,7 +2,7 @@
 
 The embedded targets (`embedded:smollm2`, the default, and `embedded:qwen2.5-coder-0.5b` / `-1.5b`) are GGUFs
 inside PyPI packages, converted once into HF safetensors folders under the cache (`$EAGLE3_CACHE`, default
-~/.cache/eagle3-workbook) and reused: their table and the conversion are eagle3lib.embedded. Everything else is a
+~/.cache/eagle3-workbook) and reused: their table and the conversion are eagle3lib.common.embedded. Everything else is a
 local HF checkpoint folder.
 
 Layer convention, everywhere in the workbook: aux id k is the residual stream entering decoder layer k
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import embedded
-from eagle3lib.config import EMBEDDED_TARGET, TargetSection
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import embedded
+from eagle3lib.common.config import EMBEDDED_TARGET, TargetSection
+from eagle3lib.common.errors import WorkbookError
 
 
 def ensure_embedded_target(model: str = EMBEDDED_TARGET) -> Path:
     """The converted HF folder of an embedded target (`embedded:<name>`, default SmolLM2), converting it on first
-    use; the table of targets and the conversion live in eagle3lib.embedded."""
+    use; the table of targets and the conversion live in eagle3lib.common.embedded."""
     return embedded.ensure(model)
 
 

@@ -17,12 +17,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from eagle3lib import embedded
-from eagle3lib.drafters import ALGORITHMS, Algorithm
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import embedded
+from eagle3lib.common.drafters import ALGORITHMS, Algorithm
+from eagle3lib.common.errors import WorkbookError
 
-EMBEDDED_TARGET = "embedded:smollm2"  # the default target; every embedded name is in eagle3lib.embedded.TARGETS
-# prompt sets inside PyPI packages (eagle3lib.extract.sources.PACKAGE_FILES says where): training sources, and
+EMBEDDED_TARGET = "embedded:smollm2"  # the default target; every embedded name is in eagle3lib.common.embedded.TARGETS
+# prompt sets inside PyPI packages (eagle3lib.common.sources.PACKAGE_FILES says where): training sources, and
 # evaluation benchmarks (MT-Bench and the math and code sets peers report, GSM8K, MATH-500 and HumanEval, are
 # benchmarks only: they are never trained on)
 PACKAGE_SOURCES = ("sharegpt", "alpaca_eval", "arena_hard", "writingbench")
@@ -273,7 +273,7 @@ class TrainSection(Section):
     algorithms: list[Algorithm] = Field(
         default_factory=lambda: ["eagle3"], validation_alias=AliasChoices("algorithms", "algorithm"),
         description="The drafters stage 05 trains from the same hidden states, one after another, each with "
-        "speculators' own model class, data path and defaults (eagle3lib/drafters.py): eagle3 (EAGLE-3, k draft "
+        "speculators' own model class, data path and defaults (eagle3lib/common/drafters.py): eagle3 (EAGLE-3, k draft "
         "forwards a step), peagle (P-EAGLE: all k tokens in one forward, served with parallel_drafting), dflash "
         "(DFlash: a block of block_size - 1 tokens in one forward). Stage 06's serve step measures each one's server "
         "and the report card's verdict picks among them per concurrency level. `train.algorithm: dflash` names one. "
@@ -466,7 +466,7 @@ class EvaluateSection(Section):
         "train.algorithms) applies to that drafter only, one without it to every drafter; a drafter no entry "
         "applies to is served at its default k (evaluate.num_draft_tokens; DFlash: its whole block, "
         "train.block_size - 1). Each entry holds `--speculative-config` keys over the drafter's own (its method and "
-        "checkpoint: eagle3lib.drafters) that vLLM 0.26 and 0.32 both accept: num_speculative_tokens (k; at most "
+        "checkpoint: eagle3lib.common.drafters) that vLLM 0.26 and 0.32 both accept: num_speculative_tokens (k; at most "
         "the tokens P-EAGLE and DFlash were trained for), disable_padded_drafter_batch (turns async scheduling off), "
         "enforce_eager (the drafter without CUDA graphs), draft_tensor_parallel_size and use_local_argmax_reduction "
         "(both only with --tensor-parallel-size > 1 in serve_args); and async_scheduling (true/false: "
@@ -630,7 +630,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     if first["type"] == "extra_forbidden":
         near = closest_key(first["loc"])
         fix = f"write '{near}', the nearest key" if near else "remove it or correct its spelling"
-        return f"{source}: unknown key '{where}' — fix: {fix} (every key, its default and why: eagle3lib/config.py)"
+        return f"{source}: unknown key '{where}' — fix: {fix} (every key, its default and why: eagle3lib/common/config.py)"
     got = first.get("input")
     got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     return f"{source}: '{where}' {first['msg'].lower()}{got_s} — fix: set {where} to a valid value in {source}"
@@ -655,7 +655,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve_config_path(config: str | Path | None) -> Path | None:

@@ -34,8 +34,8 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
-from eagle3lib.config import BENCHMARK_KINDS, GENERATED_KINDS, DataSource, WorkbookConfig, benchmark_name
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common.config import BENCHMARK_KINDS, GENERATED_KINDS, DataSource, WorkbookConfig, benchmark_name
+from eagle3lib.common.errors import WorkbookError
 
 ROLE_ALIASES = {
     "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",

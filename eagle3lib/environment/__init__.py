@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from eagle3lib import atomic
-from eagle3lib.config import WorkbookConfig
-from eagle3lib.errors import WorkbookError
-from eagle3lib.extract.estimate import DataEstimate, estimate_data
-from eagle3lib.rundir import StageResult, StageRun
-from eagle3lib.target import TargetInfo, describe_target, resolve_layer_ids, resolve_model_path
+from eagle3lib.common import atomic
+from eagle3lib.common.config import WorkbookConfig
+from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.rundir import StageResult, StageRun
+from eagle3lib.common.target import TargetInfo, describe_target, resolve_layer_ids, resolve_model_path
+from eagle3lib.environment.estimate import DataEstimate, estimate_data
 
 
 @dataclass
@@ -88,7 +88,7 @@ def box_speed() -> dict[str, object] | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3lib.target import ensure_embedded_target
+    from eagle3lib.common.target import ensure_embedded_target
 
     try:
         model_dir = ensure_embedded_target()
@@ -110,19 +110,19 @@ def box_speed() -> dict[str, object] | None:
 def extraction_bytes_per_token(info: TargetInfo, n_aux: int, cfg: WorkbookConfig) -> int:
     """(aux layers + 1 final) × hidden × bytes (+ the token id, + the FP8 scale): e.g. 4 × 7168 × 2 ≈ 57 KB/token
     for a Kimi-K2.5-sized target in bf16, half that in FP8 (shards.ShardSpec.bytes_per_token)."""
-    from eagle3lib.shards import DTYPES, ShardSpec
+    from eagle3lib.common.shards import DTYPES, ShardSpec
 
     return ShardSpec(n_aux + 1, info.hidden_size, DTYPES[cfg.extract.dtype], cfg.extract.fp8_shards).bytes_per_token()
 
 
 def disk_check(cfg: WorkbookConfig, model_dir: Path, info: TargetInfo, n_aux: int, run_root: Path,
                facts: dict[str, object]) -> Check:
-    """Will stage 02's hidden states fit? Fails only when the estimate (eagle3lib.extract.estimate: the lengths
+    """Will stage 02's hidden states fit? Fails only when the estimate (eagle3lib.environment.estimate: the lengths
     known before generation, replies counted at their token limit) exceeds the free space; warns when the upper
     bound (every row at data.max_length) or the estimate comes within 10% of it. Stage 02 checks again with the real
     token count before its first shard, so a warning costs nothing but a look. Spool mode adds its budget
     (train.spool_bytes): stage 05 fills up to that much of the same disk."""
-    from eagle3lib.shards import sample_shards_only
+    from eagle3lib.common.shards import sample_shards_only
 
     est = estimate_data(cfg, model_dir)
     per_token = extraction_bytes_per_token(info, n_aux, cfg)

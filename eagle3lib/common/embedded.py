@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3lib import atomic
-from eagle3lib.errors import WorkbookError
+from eagle3lib.common import atomic
+from eagle3lib.common.errors import WorkbookError
 
 PREFIX = "embedded:"
 CHUNK = 8 * 1024 * 1024
@@ -356,7 +356,7 @@ def convert_gguf(gguf: Path, out_dir: Path, reader: Any = None, source: dict[str
         step("saving")
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        atomic.write_json(tmp / "eagle3_source.json", {"gguf": gguf.name, "converted_by": "eagle3lib.embedded.convert_gguf",
+        atomic.write_json(tmp / "eagle3_source.json", {"gguf": gguf.name, "converted_by": "eagle3lib.common.embedded.convert_gguf",
                                                        **(source or {})})
         step("done")
     return out_dir
