@@ -5,7 +5,7 @@ Why untrained: a draft's forward costs the same whatever its weights, so a rando
 of the target (speculators' own model classes, the layers, sizes and draft vocabulary stage 05 would build) measure
 what one step of speculation costs against a plain step, per drafter and k, in minutes and with no training. A
 random draft accepts (almost) nothing: every step yields one token, so the step cost is the time per output token
-with the draft ÷ without it, and that is the τ the drafter needs to break even at that load (docs/engines.md#when-a-
+with the draft ÷ without it, and that is the τ the drafter needs to break even at that load (docs/serving.md#when-a-
 draft-pays). It also shows that the installed vLLM loads and serves each drafter's checkpoint.
 
 What runs is stage 06's own serve step (one server per drafter and setting of `--grid` and the target alone, one

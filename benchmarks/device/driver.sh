@@ -3,7 +3,7 @@
 # that the plan outlives the short calls that start and watch it. What it installs (vLLM, speculators, a config's
 # packages, papermill) comes from make_bundle.sh in chunks; install.sh unpacks it. One or two GPUs: a step with work
 # for GPU 1 runs it beside GPU 0's when there is a second GPU (`recipe`: on one GPU, the recipe alone).
-# The host this was built for and what each step cost there, dated: docs/gpu-host.md.
+# The host this was built for and what each step took there: docs/gpu-host.md.
 #
 # One phase per call, run from the repository root on the host:
 #   copy     keep this call's chunk (.carry/bundle/cK) in /tmp/bundle: one call per chunk, all but the last
@@ -19,70 +19,66 @@
 # seconds a stage run may take (default 1800). Every run of a config starts from its target's committed replies cache
 # (benchmarks/device/caches/<target>.tar.xz, unpack_replies) and generates only what it lacks.
 #
-# STEPS: what each runs -> what it writes, and what it took on one H200 (stage runs land in outputs/<run>/):
+# STEPS: what each runs -> what it writes (stage runs land in outputs/<run>/; what each took on one H200:
+# docs/gpu-host.md#what-each-step-takes):
 #   recipe       GPU 0: $CONFIG, stages 00-06 as $RUN (one GPU: -> $RES/recipe_<run>.json, benchmarks/recipe.py)
-#                | GPU 1: the EAGLE-1-style row, the same data with the draft on
-#                one near-final layer (target.layer_ids=[$EAGLE1_LAYER]: default 29, SmolLM2's; 27 for the 1.5B
-#                Qwen). SmolLM2 recipe 1,300-1,520 s; the 1.5B recipe ~1,040 s with its target's conversion
+#                | GPU 1: the EAGLE-1-style row, the same data with the draft on one near-final layer
+#                (target.layer_ids=[$EAGLE1_LAYER]: default 29, SmolLM2's; 27 for the 1.5B Qwen)
 #   eagle1       GPU 0: the EAGLE-1-style run alone ($RUN-eagle1, evaluate.methods=[serve, ngram]: n-gram lookup as a
-#                third server): the comparison rows `recipe` has no room for on one GPU. The 1.5B: ~1,270 s
+#                third server): the comparison rows `recipe` has no room for on one GPU
 #   recipe_ab    GPU 0: the recipe | GPU 1: the generator benchmark, then the recipe's states forked ($RUN-b) and
-#                trained with AB_PARAMS (default -p train.lr=0.002), evaluated offline + embedded. ~24 min (2 GPUs)
+#                trained with AB_PARAMS (default -p train.lr=0.002), evaluated offline + embedded (two GPUs)
 #   benchmarks   GPU 0: the small run's stages 00-04 (bundled x8 + 4,000 self-instruct prompts), the generator
 #                benchmark, arm a | GPU 1: vLLM prefill vs the native and worker captures, then arm b (AB_PARAMS);
-#                both arms evaluated embedded. ~15 min (2 GPUs)
+#                both arms evaluated embedded (two GPUs)
 #   curve        GPU 0: $RUN's stages 00-04 (unless there), then stage 05 on forks at each train.train_fraction of
 #                CURVE (default "0.25 0.5 1"): validation EAL against training tokens from one extraction
-#                (benchmarks/data_curve.py reads the forks). The 1.5B: ~600 s of stages 00-04, then ~175/220/315 s
+#                (benchmarks/data_curve.py reads the forks)
 #   modes        GPU 0: $RUN's stages 00, 01, 02, 04 (unless there), then one epoch of stage 05 on a fork per arm of
 #                ARMS (default "offline online spool"; without offline the base captures no full shards), then
-#                benchmarks/hidden_state_modes.py -> $RES/online_<run>.json. MODES_SMALL=1: the small run's data.
-#                The recipe's data: base ~600 s, offline ~300, online ~340 (spool after them did not fit the
-#                budget); the small data: base ~300 s, spool ~375, offline ~130, online ~170
+#                benchmarks/hidden_state_modes.py -> $RES/online_<run>.json. MODES_SMALL=1: the small run's data
 #   generate     GPU 0: benchmarks/generate.py with ENGINES (default "1 2 4") vLLM engines side by side, 420 s at most
-#                a variant -> $RES/generate_engines_h200.json. 1 engine ~130 s, 2 ~80 s, 4 started in turn > 240 s
+#                a variant -> $RES/generate_engines_h200.json
 #   generate_multi  GPU 0: plain vLLM (vllm.LLM(...).generate at its defaults) on $CONFIG's conversations' first
 #                turns; then stage 02's self-distillation (continuous multi-turn scheduling) on those conversations,
 #                fresh cache, the recipe's generator setting, on each of ENGINES engines, each also answering the
 #                first turns in one call: tokens/s by engines against plain vLLM in one run
-#                -> $RES/generate_multiturn_<run>.json (each arm's output as it runs: beside it, .<arm>.log). The
-#                1.5B's 1x config, ENGINES="4 1", streamed (2026-12-06, benchmarks/results/generate_qwen15_h200.json):
-#                plain vLLM start 83 s + 95 (~3 min); four engines 183 + 82 + 30 (~5 min); one engine 36 + 132 + 65
-#                (~4 min, the compile cache warm; first in an earlier run: 114 + 193 + 75); the plan 13 minutes after
-#                the target's 50 s conversion, ~21 minutes of device time with the copies and the install: launch
-#                it with at least 1,500 device-s left. ENGINES="4 1" runs four engines before one, so a lease that
-#                ends in the last arm still leaves plain vLLM and four engines in one run. "1 2 4" does not fit a
-#                30-minute GPU lease. On an 80 GB card four engines at this config's 0.85 share run out of memory
-#                (2026-12-05, one H100: docs/engines.md, "What an engine uses beyond its share"): there, by the same
-#                arithmetic, ENGINES="1 2" (not run)
+#                -> $RES/generate_multiturn_<run>.json (each arm's output as it runs: beside it, .<arm>.log).
+#                ENGINES="4 1" runs four engines before one, so a lease that ends in the last arm still leaves plain
+#                vLLM and four engines in one run; the default "1 2 4" does not fit a 30-minute lease with the 1.5B,
+#                and "4 1" wants at least 1,500 device-s left at launch. On an 80 GB card four engines at the 1.5B
+#                config's 0.85 share run out of memory (docs/gpu.md#several-generation-engines, "What an engine uses
+#                beyond its share"): there, by the same arithmetic, ENGINES="1 2" (not run)
 #   peers        GPU 0: $RUN's stages 00-04 (replies from the target's committed cache where it exists), the
 #                workbook's stage 05 beside each arm of PEER_ARMS (default speculators_cli; also workbook_adamw,
 #                workbook_epochs_x2: benchmarks/peers.py) on its fork, then stage 06 of all of them side by side (k = 3,
-#                concurrency 1) -> $RES/peers_<run>.json (+ .md, .png). The 1.5B from the committed cache with two
-#                arms beside the workbook: 00-04 220 s, 05 ~420 s, 06 ~230 s (975 s with the target's conversion)
+#                concurrency 1) -> $RES/peers_<run>.json (+ .md, .png)
 #   serve_graphs GPU 0: stage 06's serve step on a random draft of $CONFIG's target (GRAPH_GRID: its k, default 2),
 #                with stage 06's CUDA graph sizes and with vLLM's defaults: step time by requests in flight
-#                -> $RES/serve_graphs_<run>.json (+ .png; benchmarks/serve_graphs.py). The 1.5B's 1x config on one
-#                H100: 369 s (two arms, stage 06 173 + 179 s; 2026-12-06), ~11 minutes with the copies and install
+#                -> $RES/serve_graphs_<run>.json (+ .png; benchmarks/serve_graphs.py)
+#   drafter_steps GPU 0: each drafter's server alone with an untrained draft (EAGLE-3 k=3, P-EAGLE k=3, DFlash k=15)
+#                against the target alone at concurrency 1, 4, 16 -> $RES/drafter_steps_<run>.json
+#                (benchmarks/drafter_steps.py)
+#   algorithms   GPU 0: $RUN's stages 00-04, each drafter of DRAFTERS trained on a fork of its own side by side
+#                (ALG_EPOCHS, ALG_TRAIN_FRACTION), then all of them through stage 06, each server alone (ALG_GRID,
+#                ALG_BENCH_PROMPTS) -> $RES/algorithms_<run>.json (benchmarks/algorithms.py)
 #   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE ($RUN at GEN_SCALE=1) online: $CONFIG's sources scaled by
 #                GEN_SCALE (default 4; 1 = the config's own, e.g. configs/qwen-coder-1.5b-x4-h200.yaml),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
 #                written); the replies caches come back as caches.txz.* (xz, 15 MiB parts) once the plan is done or
 #                with FINAL=1 (recompressed with xz -9e and committed as benchmarks/device/caches/<target>.tar.xz:
-#                every entry of the cache it started from is in them). The 1.5B's x4 config: 721-851 s
+#                every entry of the cache it started from is in them)
 #   curve_online GPU 0: those committed caches unpacked, stages 00-02 and 04 of $RUN-x$GEN_SCALE online, then stages
 #                05 (one epoch, online) and 06 (embedded) on forks at each train.train_fraction of CURVE (default
-#                "1"), side by side when there are several. Base ~210-270 s; fork 0.5 ~855 s, fork 1 ~1,060 s
+#                "1"), side by side when there are several
 #   fp8_ab       GPU 0: $RUN-fp8ab, stages 00-06 with bf16 shards and one epoch, then benchmarks/fp8_ab.py's FP8 fork
-#                of it (stages 02-06) -> $RES/fp8_ab_$RUN.json. Arm A ~710 s, arm B ~430 s
+#                of it (stages 02-06) -> $RES/fp8_ab_$RUN.json
 #   vllm_extract GPU 0: vLLM prefill vs the workbook's native and worker captures on a random Llama-3.1-8B-shaped
 #                checkpoint (256 x 2048 tokens), the capture probe timed (VLLM_MODES: which modes)
-#                -> $RES/extract_vllm_h200.json. ~300-380 s for all three, ~150 s for the worker alone
+#                -> $RES/extract_vllm_h200.json
 #   scaling      both GPUs: draft training 1 vs 2 GPUs (torchrun) on $RUN (else the small run, made first), then
-#                extraction 1 vs 2 GPUs in /dev/shm and on disk -> $RES/scaling_*_h200x2.json. On the small run:
-#                training ~5 min, extraction in /dev/shm ~2.5 min
-# Before any step: the copies and the install (2-6 min, by the bundle's size) and the target's conversion (SmolLM2
-# ~25-35 s, the 1.5B ~55 s).
+#                extraction 1 vs 2 GPUs in /dev/shm and on disk -> $RES/scaling_*_h200x2.json
+# Before any step: the copies and the install (by the bundle's size) and the target's conversion.
 set -uo pipefail
 phase=$1
 OUT=${OUT:-/tmp/out}
@@ -121,11 +117,10 @@ run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
     > "$RES/$name.log" 2>&1
   echo "$name exit $? after $(( $(date +%s) - t )) s" >> "$RES/$name.log"; }
 
-# the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults,
-# benchmarks/results/generate_settings_h200_2026-11-29.json) as 1, 2
-# and 4 engines side by side on one GPU: does a small target's generation scale with engines (CPU-bound steps)?
-# 420 s a variant: four engines started one after another did not finish in 240 s (one cold start 105 s:
-# benchmarks/results/generate_engines_h200_2026-12-03.json)
+# the recipe's generator setting (graphs up to 2048 sequences: x1.32 over vLLM's H200 defaults, docs/results.md) as
+# 1, 2 and 4 engines side by side on one GPU: does a small target's generation scale with engines (CPU-bound steps)?
+# 420 s a variant: four engines started one after another did not finish in 240 s
+# (docs/gpu-host.md#what-each-step-takes)
 GEN_RECIPE='{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}'
 # shellcheck disable=SC2086 - ENGINES is a list of engine counts
 bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 1300 python3 benchmarks/generate.py --config "$CONFIG" \
@@ -340,9 +335,10 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
     curve_online)
       # the data curve from gen_data's replies caches (committed under benchmarks/device/caches), unpacked: stages
       # 00-02 online and 04 of the GEN_SCALE run (the self-instruct prompts all come from the cache; the distilled
-      # replies too when their key matches, which it has not since it changed on 2026-12-04), then stages 05 (one
-      # epoch, online) and 06 (embedded: held-out tau) on forks at train.train_fraction = each of CURVE (default
-      # "1": 4x the recipe's data; 0.5: a random half of the 4x rows = 2x; one validation split for all).
+      # replies too when their key matches, which it has not since the key changed:
+      # docs/gpu.md#several-generation-engines), then stages 05 (one epoch, online) and 06 (embedded: held-out tau)
+      # on forks at train.train_fraction = each of CURVE (default "1": 4x the recipe's data; 0.5: a random half of
+      # the 4x rows = 2x; one validation split for all).
       # gen_data's very settings (data.gen_engines included: the data section's hash is in stage 02's manifest, and
       # a missed cache then generates on as many engines). Several forks run side by side on GPU 0 (how much they
       # slow each other is not measured): their stage times are then those of runs sharing one GPU (say so in the
@@ -450,10 +446,10 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # FP8 vs bf16 shards on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A
       # ($RUN-fp8ab) = stages 00-06 with bf16 shards; arm B = benchmarks/fp8_ab.py's fork of it (stage 02 again from
       # the cached replies with extract.fp8_shards=true, then 03-06) -> $RES/fp8_ab_<run>.json. The replies: the
-      # target's committed cache where there is one (SmolLM2 has none since 2026-12-04: stage 02 distilled all
-      # 21,984 replies that day, 8,925 of them in 153 s). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB
-      # free. MT-Bench left out (~220 s an arm). With the copies and the target: ~1,330 s, most of a 30-minute device
-      # budget
+      # target's committed cache where there is one (SmolLM2's distilled replies are in none, so stage 02 distills
+      # them: docs/gpu.md#several-generation-engines). Disk: 34.4 GB of bf16 shards + ~17 GB of FP8 of the ~62 GB
+      # free. MT-Bench left out (~220 s an arm): with the copies and the target the two arms take most of a
+      # 30-minute device budget (docs/gpu-host.md#what-each-step-takes)
       arun=$RUN-fp8ab; abargs=(-p train.epochs=1 -p "evaluate.methods=[embedded]" -p "evaluate.benchmarks=[]")
       unpack_replies "$arun"
       step "FP8 A/B, arm A: $arun, stages 00-06 with bf16 shards, one epoch"

@@ -167,7 +167,7 @@ class DataSection(Section):
         "process on the same GPU with 1/N of extract.gpu_memory_utilization and run.seed + its index; every "
         "request goes to the engine with the most room, as it comes. Why: a small target's decode is bound by the "
         "engine's CPU-side work, not the GPU: SmolLM2-135M on one H200 wrote 28.1k tok/s with 1 engine, 39.5k with 2 (x1.41, "
-        "benchmarks/results/generate_engines_h200_2026-12-02.json). Greedy replies do not depend on it, sampled ones do.")
+        "docs/gpu.md#several-generation-engines). Greedy replies do not depend on it, sampled ones do.")
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0,
         description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",
@@ -196,7 +196,7 @@ class ExtractSection(Section):
     fp8_shards: bool = Field(
         False, description="Store the states as FP8 (e4m3, one scale per token: speculators' own FP8 format, which "
         "its FP8Transfer reads back into extract.dtype): about half the disk of bf16, measured within noise of bf16 "
-        "for the draft (docs/engines.md#fp8-hidden-state-shards). Changing it rewrites the shards.")
+        "for the draft (docs/capture.md#fp8-hidden-state-shards). Changing it rewrites the shards.")
     batch_tokens: int = Field(8192, description="Token budget of one forward batch (length-sorted batches).")
     devices: str = Field("auto", description="auto = every visible GPU (one process each), else e.g. 'cuda:0,cuda:1' or 'cpu'.")
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size.")
@@ -240,7 +240,7 @@ class ExtractSection(Section):
         64, ge=1, description="train.hidden_states: online or spool only: stage 02 still writes shards for this many "
         "rows (the first train rows and the first validation rows, in proportion to the split) so that stage 03 "
         "validates and plots real states and stage 06's offline method has rows to simulate "
-        "(docs/engines.md#online-hidden-states).")
+        "(docs/capture.md#online-hidden-states).")
 
 
 class InspectSection(Section):
@@ -278,7 +278,7 @@ class TrainSection(Section):
         "(DFlash: a block of block_size - 1 tokens in one forward). Stage 06's serve step measures each one's server "
         "and the report card's verdict picks among them per concurrency level. `train.algorithm: dflash` names one. "
         "The offline, embedded and vllm methods of stage 06 follow the EAGLE-3 draft only "
-        "(docs/engines.md#drafters).")
+        "(docs/drafts.md#drafters).")
     num_layers: int | None = Field(None, ge=1, description="Draft decoder layers (None = speculators' default: 1 for "
                                    "eagle3 and peagle, 5 for dflash).")
     ttt_steps: int = Field(3, description="eagle3: test-time-training steps (draft tokens trained per position).")
@@ -314,12 +314,12 @@ class TrainSection(Section):
     embed_requires_grad: bool = Field(False, description="Train the draft's copy of the verifier's embedding too.")
     # The optimizer and schedule default to speculators' CLI's (muon, lr 1e-3, weight decay 0.01, linear decay after
     # its 1% warm-up): on the 1.5B recipe's shards they trained the same draft as `speculators train` (held-out tau
-    # 2.129 vs 2.127) where AdamW with cosine decay, the earlier default, gave 1.633 (docs/results.md, 2026-12-05).
+    # 2.129 vs 2.127) where AdamW with cosine decay, the earlier default, gave 1.633 (docs/results.md).
     optimizer: Literal["auto", "adamw", "muon"] = Field(
         "auto", description="muon: torch's Muon on the draft's 2-D weight matrices and AdamW (train.lr, "
         "train.weight_decay) on the rest, split by speculators' own rule (speculators.train.optimizers); adamw: "
         "AdamW on all. auto = muon on a GPU, adamw on a CPU, where torch's Muon runs its Newton-Schulz steps in "
-        "bf16, and a step took 13.6x AdamW's on the demo (docs/engines.md#speculators-trainer-on-the-cpu).")
+        "bf16, and a step took 13.6x AdamW's on the demo (docs/cpu.md#speculators-trainer-on-the-cpu).")
     lr: float = Field(1e-3, description="Peak learning rate (AdamW; with muon, its AdamW group).")
     weight_decay: float = Field(0.01, description="AdamW weight decay (with muon, its AdamW group's).")
     muon_lr: float | None = Field(None, description="optimizer muon: the Muon group's peak learning rate (None = "
@@ -352,11 +352,11 @@ class TrainSection(Section):
         "several epochs when the disk holds them. online = the target runs inside stage 05, on the training device, "
         "for every batch of every epoch: no disk for states (stage 02 writes only extract.online_sample_rows shards), "
         "at the price of one target forward per batch per epoch and the target's memory beside the draft's "
-        "(docs/engines.md#online-hidden-states). spool = for a target only vLLM can hold (tensor parallel): stage 02's "
+        "(docs/capture.md#online-hidden-states). spool = for a target only vLLM can hold (tensor parallel): stage 02's "
         "extract backend (vLLM native or the capture worker, with its parallel sizes; or transformers) runs in a "
         "producer process and computes each batch's states ahead of the trainer into <run>/spool/, which the loader "
         "reads and deletes; at most train.spool_bytes of states are on disk at once, and every epoch captures its "
-        "rows again (docs/engines.md#spool-producer-mode). Changing it reruns stage 02.")
+        "rows again (docs/capture.md#spool-producer-mode). Changing it reruns stage 02.")
     online_batches_ahead: int = Field(
         16, ge=1, description="train.hidden_states: online only: the target runs over the rows of this many training "
         "batches at once (the batch being fetched and those after it), length-sorted into forwards of at most "

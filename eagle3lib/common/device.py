@@ -1,7 +1,7 @@
 """The one home of 'auto': which device a stage computes on and in which dtype.
 
 Why one module: the rule "bf16 on a GPU, fp32 on the CPU" (bf16 was slower than fp32 on
-the CPUs measured: docs/engines.md#cpu-throughput) and "auto = every visible GPU" are read by stage 02 (generator, both capture
+the CPUs measured: docs/cpu.md#cpu-throughput) and "auto = every visible GPU" are read by stage 02 (generator, both capture
 backends), stage 05 (training) and stage 06 (decoder, vLLM); written once here, they cannot drift apart.
 """
 

@@ -17,7 +17,7 @@ a fact about a drafter lives here once, beside its reason.
   `method: dflash`, `model_executor/models/qwen3_dflash.py`). Its block has `block_size` slots, the first the
   anchor: `block_size - 1` draft tokens.
 The two one-forward drafters cost one draft forward per step whatever k is, where EAGLE-3 costs k
-(docs/engines.md#drafters).
+(docs/drafts.md#drafters).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def server_flags(spec: dict[str, Any]) -> list[str]:
     (P-EAGLE k - 1, DFlash k: `max_num_new_slots_for_drafting`, vllm/config/speculative.py) from
     max_num_batched_tokens for what a step may schedule, and refuses to start where that is not positive: DFlash at
     k = 15 on one H100 with vLLM 0.26's defaults, "max_num_scheduled_tokens is set to -6144"
-    (benchmarks/results/drafter_steps_qwen15_h100_2026-12-06.json). So its server gets vLLM's 8,192 plus k slots
+    (docs/drafts.md#drafters). So its server gets vLLM's 8,192 plus k slots
     for each of vLLM's 1,024 requests."""
     if spec.get("method") != "dflash" and not spec.get("parallel_drafting"):
         return []

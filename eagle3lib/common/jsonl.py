@@ -1,8 +1,8 @@
 """JSONL as the workbook writes and reads it: one JSON object per line, UTF-8, non-ASCII characters kept as they are.
 
 Why one home: `json.dumps(..., ensure_ascii=False)` leaves U+2028, U+2029 and U+0085 unescaped inside strings (it
-escapes only the controls below U+0020), and `str.splitlines()` splits on all three. Three of the 125,670 cached
-self-instruct replies of the 4x SmolLM2 run (benchmarks/results/gen_data_smollm2_x4_h200_2026-12-02.json) held one: read back
+escapes only the controls below U+0020), and `str.splitlines()` splits on all three. A few of the cached
+self-instruct replies of the 4x SmolLM2 run (docs/gpu.md#several-generation-engines) held one: read back
 with `splitlines()` each became torn lines, was dropped, and was generated again on the rerun; since a conversation's
 reply temperature follows its position, the new requests then shifted most of the distillation cache's keys (on the
 H200 the rerun started four engines instead of none). Lines are split on "\n" only, which `json.dumps` always

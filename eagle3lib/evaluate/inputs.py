@@ -31,7 +31,8 @@ class EvalInputs:
     val_rows: int
     train_metrics: dict[str, Any]
     # every vLLM process of the run shares one cache (rundir.cache_root: model-info inspections, torch.compile
-    # artifacts): the servers find what stage 02's engine already inspected (~25 s per miss on an H200, 2026-12-01)
+    # artifacts): the servers find what stage 02's engine already inspected (each miss costs tens of seconds on an
+    # H200: docs/cpu.md#caches-and-environment)
     cache_dir: Path
     # evaluate.benchmarks as stage 02 wrote them: {name: data/bench_<name>.jsonl}, and {name: its counts}
     benchmarks: dict[str, Path] = field(default_factory=dict)

@@ -239,7 +239,7 @@ def optimizer_summary(resolved: dict[str, Any], tcfg: Any) -> list[str]:
 
 def _shard_format(m02: dict[str, Any]) -> str:
     """How stage 02 stored the states: FP8 shards hold e4m3 values and a scale per token whatever the target's
-    dtype (docs/engines.md#fp8-hidden-state-shards); bf16 shards hold the target's dtype."""
+    dtype (docs/capture.md#fp8-hidden-state-shards); bf16 shards hold the target's dtype."""
     if m02.get("fp8_shards"):
         return f"FP8 e4m3 + a float32 scale per token, from {m02.get('dtype')}"
     return str(m02.get("dtype"))

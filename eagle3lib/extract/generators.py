@@ -200,9 +200,9 @@ class VllmGenerator:
     (`llm_engine.step()`, the loop `LLM.generate` itself runs) and returns the replies it finished, so a caller that
     answers each reply with a new request (a conversation's next turn) keeps the batch full. Within one
     `LLM.generate` call per chunk, the batch drained to its longest reply before the next chunk could start: on the
-    1.5B recipe's conversations (one H200, 2026-12-05, benchmarks/results/generate_qwen15_h200_2026-12-05.json) four
-    engines self-distilled at 37.4k tok/s that way against 65.9k on the same conversations' first turns in one call
-    each; streamed, 51.8k (2026-12-06, benchmarks/results/generate_qwen15_h200.json)."""
+    1.5B recipe's conversations four engines self-distilled that way at little more than half the tokens/s they
+    reached on the same conversations' first turns in one call each; streamed, at about four fifths of it
+    (docs/gpu.md#several-generation-engines)."""
 
     name = "vllm"
 

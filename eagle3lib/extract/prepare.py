@@ -190,8 +190,8 @@ def tokenize_conversations(tok, convs: list[list[dict[str, str]]], threads: int 
     """`tokenize_conversation` of every conversation, untruncated, with the encoding on `threads` threads (default:
     up to 8 cores): the fast tokenizer's Rust encoder releases the GIL, so chunks of texts encode side by side while
     the chat template renders here. TOKENIZERS_PARALLELISM stays off (the run's engines fork). The 1.5B's 4x data
-    (54k conversations) spent ~80% of its data preparation in this step, one conversation at a time; on 6,000 of them
-    on 2 CPU cores about x2 here (benchmarks/results/tokenize_qwen15_x4_cpu_2026-12-05.json), more with more cores."""
+    (54k conversations) spent ~80% of its data preparation in this step, one conversation at a time; threads made it
+    about twice as fast on 2 CPU cores, more with more cores (docs/results.md)."""
     if not getattr(tok, "is_fast", False):  # no Rust encoder to share out: one conversation at a time
         return [tokenize_conversation(tok, c, 10**9) for c in convs]
     rendered = [assistant_spans(tok, c) for c in convs]
@@ -217,7 +217,7 @@ def reply_temperature(skeleton: list[dict[str, str]], temps: list[float]) -> flo
     first user turn. It belongs to the conversation, not to its place in the pool, so growing a source, adding one in
     front or reshuffling keeps every existing conversation's temperature and with it its cached replies (dealt by
     position, 41% of the 1x recipe's replies missed the cache of its 4x data:
-    docs/engines.md#several-generation-engines)."""
+    docs/gpu.md#several-generation-engines)."""
     if len(temps) == 1:
         return temps[0]
     head = next((skeleton[:i + 1] for i, m in enumerate(skeleton) if m["role"] == "user"), skeleton)
@@ -233,8 +233,8 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
     turn logic lives here, the cache, the scheduling and the stats in `generate_continuous`, shared by all. A
     conversation's next turn is asked for as soon as its previous reply exists, not after a whole round: round by
     round, every engine waited for the slowest at each chunk and the later rounds were small (the 1.5B recipe's
-    multi-turn replies on one H200 with 2 engines: 14.46k tok/s, no faster than one;
-    benchmarks/results/peers_qwen15_h200_2026-12-04.json). Conversations with more turns still to come go first.
+    multi-turn replies on one H200 came no faster on 2 engines than on one: docs/gpu.md#several-generation-engines).
+    Conversations with more turns still to come go first.
     A conversation is answered at `reply_temperature` (one of `gen_temperatures`, or `gen_temperature`), part of its
     cache key. `variants[i]` > 0 marks an extra reply to a prompt that is already in `convs`
     (`data.sources[].replies`): sampled at the highest temperature, the variant in its cache key. The key (the

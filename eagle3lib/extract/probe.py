@@ -6,7 +6,7 @@ Why: a capture can go wrong without an error, and CI's parity tests cover only t
 Known silent failures: vLLM's extract_hidden_states dropped the final-layer state on the DeepSeek family (vllm#46973),
 is off by one layer on MiniMax-M2 (vllm#43671), returns another number of states than tokens with prefix caching on
 (vllm#44485), gives other states under chunked prefill at TP8/PP2 (vllm#52909); a decoder layer's `out[0]` without
-the residual gives cos -0.28; vLLM's CPU rotary op on MLA gives cos 0.5-0.7 (docs/engines.md#the-cpu-rotary-bug). So
+the residual gives cos -0.28; vLLM's CPU rotary op on MLA gives cos 0.5-0.7 (docs/cpu.md#the-cpu-rotary-bug). So
 stage 02 runs `extract.probe_rows` rows of the user's own data (the longest first: long prompts are where chunked
 prefill splits) through the very backend that will run the extraction, and checks the final state against the
 engine's own next-token distribution, each slot against its layer in a second capture path where one runs, and the
@@ -24,7 +24,7 @@ runs on a thread beside the extraction, and the shard writer holds every shard u
 (capture.ShardWriter's gate), so a failure still leaves no shard; reading the captures back (files, logprobs) is
 part of the judging. For an 8B shape on an H200 the extraction waits 0.9-1.0 s (worker) / 1.4 s (native) for it,
 net of the rows it no longer captures 0.7-0.8 s / 1.15 s, under 2% of the benchmark's run
-(docs/engines.md#the-capture-probe says where the seconds go).
+(docs/capture.md#the-capture-probe says where the seconds go).
 Data-parallel transformers capture probes on one more load of the target on the first GPU, before its processes
 start, and waits for the verdict there (the processes write their shards themselves).
 """
@@ -310,7 +310,7 @@ def start(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[in
           keep: Iterable[int] = ()) -> Pending:
     """The probe on `backend` (started, not yet capturing): its rows through the backend now, the rest on a thread
     (`conclude`). Why a thread: on an 8B shape the judging (the head on the CPU, the cosines) was 40% of the probe
-    and needs nothing of the engine, which can extract meanwhile (docs/engines.md#the-capture-probe)."""
+    and needs nothing of the engine, which can extract meanwhile (docs/capture.md#the-capture-probe)."""
     t0 = time.perf_counter()
     rows = [(i, list(input_ids[i])) for i in probe_rows(input_ids, cfg.extract.probe_rows)]
     obs, kept = observe(cfg, backend, Path(model_dir), list(layer_ids), rows, frozenset(keep))

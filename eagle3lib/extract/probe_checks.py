@@ -93,7 +93,7 @@ CAUSES = {
                    "soft-capping), which the probe and speculators both assume",
     "layer": "slots in the wrong order or layer ids off by one (when the slot matches another layer), the residual "
              "left out (out[0] alone: cos -0.28), vLLM's CPU rotary op on MLA (cos 0.5-0.7: "
-             "docs/engines.md#the-cpu-rotary-bug), a multimodal wrapper whose hooked layers are not the language "
+             "docs/cpu.md#the-cpu-rotary-bug), a multimodal wrapper whose hooked layers are not the language "
              "model's, chunked prefill (vllm#52909)",
 }
 # The first failing check in this order is the one the message names: the most specific first (a slot matching

@@ -53,8 +53,8 @@ _ASSISTANT_VOICE = re.compile(r"^(?:i'?m (?:sure|happy|glad|ready) (?:i can|to)|
                               re.IGNORECASE)
 _TRAILING_ANSWER = re.compile(r"\s*(?:A|Answer|Assistant)\s*:\s*$")  # "...? A:" (the template of a Q&A dataset)
 # the target writing a question AND its answer, Q&A-dataset style ("...?\nA: Vienna", "...\n\nAssistant: The..."):
-# a quarter of Qwen2.5-Coder-1.5B's magpie requests (4,565 of 18,000 in the run of
-# benchmarks/results/gen_data_qwen15_x4_h200_2026-12-05.json); the question is kept, the answer it brought is cut.
+# a quarter of Qwen2.5-Coder-1.5B's magpie requests in the 4x data's run (docs/results.md); the question is kept,
+# the answer it brought is cut.
 # Not when a "B" line follows: lettered choices
 _EMBEDDED_ANSWER = re.compile(r"\n\s*(?:A|Answer|Assistant)\s*:", re.IGNORECASE)
 _CHOICE_B = re.compile(r"\n\s*\(?B\s*[:.)]")

@@ -15,7 +15,7 @@ streaming pass (one shard in memory at a time, long shards in token chunks), and
 Sampled mode (`inspect.sample_shards`) computes the statistics on a seeded random subset and says so in the report;
 validation always covers every shard. Online and spool modes (`train.hidden_states`): stage 02 wrote shards for its
 sample rows only (`shards.shard_rows`), so validation and statistics cover those, and the report's mode says so
-(docs/engines.md#online-hidden-states). Same data and config in, same numbers out, whichever backend wrote the shards.
+(docs/capture.md#online-hidden-states). Same data and config in, same numbers out, whichever backend wrote the shards.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ at epoch -1): the loss, per draft position s the acceptance speculators reports 
 expected acceptance length (`eal`); EAGLE-3 points also hold each TTT step's loss and cond_acc_s, and validation
 points τ by walking the replies as a decoder would (`tau_walk`, eagle3lib.train.walk: the served τ they predict,
 below EAL). What full_acc_s and EAL mean per drafter (`acceptance_by_position`, `expected_acceptance_length`;
-docs/engines.md#speculators-model-and-metrics):
+docs/drafts.md#speculators-model-and-metrics):
 - eagle3: full_acc_s = draft steps 0..s all right (a chain), EAL = 1 + Σ_s full_acc_s;
 - peagle: full_acc_s = depth s right (speculators' position_s_acc, each depth scored on its own), EAL =
   1 + Σ_s Π_{j<=s} full_acc_j, the chain those rates give if depths erred independently (an estimate: speculators

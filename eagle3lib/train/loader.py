@@ -84,7 +84,7 @@ def _counting_loader_class():
 def fp8_aware_transfer(hidden_states_dir, dtype: torch.dtype):
     """speculators' FP8Transfer: its FileTransfer (what ArrowDataset reads shards with by default) that dequantizes
     an FP8 shard (extract.fp8_shards) into `dtype` and returns any other shard as stored, so one data path reads
-    both formats (docs/engines.md#fp8-hidden-state-shards)."""
+    both formats (docs/capture.md#fp8-hidden-state-shards)."""
     from pathlib import Path
 
     from hs_connectors.transfer import FP8Transfer

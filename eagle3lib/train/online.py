@@ -1,5 +1,5 @@
 """Stage 05's online hidden states (`train.hidden_states: online`): each batch's states come from the target itself,
-on the training device, instead of from stage 02's shards (docs/engines.md#online-hidden-states).
+on the training device, instead of from stage 02's shards (docs/capture.md#online-hidden-states).
 
 Why online: offline shards cost (aux+1) x hidden x 2 bytes per token on disk (57 KB/token for a Kimi-sized target),
 so the disk caps the data; online needs only the tokenized dataset on disk, and pays one target forward per batch

@@ -2,7 +2,7 @@
 reasons.
 
 sdpa attention + eager loss + fp32 on the CPU; on a GPU flex attention + bf16 autocast, and the fused (Triton) loss
-only when a quick behavioural probe passes (on torch 2.11 it fails inside dynamo, docs/engines.md#fused-loss-on-the-h200;
+only when a quick behavioural probe passes (on torch 2.11 it fails inside dynamo, docs/gpu.md#fused-loss-on-the-h200;
 we then log why and use the eager loss). The device and the bf16/fp32 rule are eagle3lib.common.device's, shared with
 stages 02 and 06.
 """

@@ -8,7 +8,7 @@ What this module adds around speculators (and nothing else: no second implementa
     knob from `cfg.train`;
   * `quiet_bars_and_capture`: speculators' per-step metric dicts routed to the stage, its rich bars silenced;
   * `fused_adamw`: torch's fused AdamW kernel on a GPU;
-  * `ensure_cpu_patch`: the Trainer-on-CPU patch from the compat registry (docs/engines.md#speculators-trainer-on-the-cpu).
+  * `ensure_cpu_patch`: the Trainer-on-CPU patch from the compat registry (docs/cpu.md#speculators-trainer-on-the-cpu).
 Each patch is undone on exit (or revertible through eagle3lib.compat).
 """
 
@@ -168,7 +168,7 @@ def quiet_bars_and_capture() -> Iterator[_MetricCapture]:
 @contextmanager
 def fused_adamw(device: str) -> Iterator[None]:
     """On a GPU, speculators' AdamW runs as torch's fused kernel (one launch for every parameter instead of a
-    foreach loop; the 70.1k tok/s on the H200 in docs/engines.md#h200-training-throughput were measured with it).
+    foreach loop; the 70.1k tok/s on the H200 in docs/gpu.md#h200-training-throughput were measured with it).
     speculators builds a plain AdamW inside `Trainer.__init__`; the flags are flipped on that fresh optimizer, before
     the Trainer loads a checkpoint's optimizer state, so resumed step counters land on the GPU as the fused kernel
     needs."""

