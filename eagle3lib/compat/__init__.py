@@ -47,7 +47,10 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle3lib.common.config import WorkbookConfig
 
 ENV_VAR = "EAGLE3_COMPAT_PATCHES"
 
@@ -258,7 +261,7 @@ def audit(contracts: Any = None) -> list[Any]:
 
 # Configuration tags (contracts declare which they serve) ----------------------------------------------------------
 
-def required_tags(cfg: Any, on_cpu: bool | None = None) -> set[str]:
+def required_tags(cfg: WorkbookConfig, on_cpu: bool | None = None) -> set[str]:
     """The contract tags a workbook config relies on (see Contract.needs), on this machine (`on_cpu` None) or on a
     CPU-only / GPU machine. CPU-only tags (`speculators-cpu`, `vllm-on-cpu`) cover code that only runs without an
     accelerator: the H200 once failed stage 01 on the CPU rotary kernel its CUDA build of vLLM does not have."""

@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3lib.common import atomic
 from eagle3lib.common.config import benchmark_name
@@ -45,6 +45,9 @@ from eagle3lib.evaluate.methods import (
     run_offline_rows,
     run_vllm,
 )
+
+if TYPE_CHECKING:
+    from eagle3lib.common.config import EvaluateSection
 
 
 def methods_for(configured: list[str], algorithms: list[str]) -> tuple[list[str], dict[str, list[str]],
@@ -158,7 +161,7 @@ def start(stage: StageRun, progress: bool) -> Measuring:
                      draft, results, done, progress)
 
 
-def _benchmark_paths(inp: EvalInputs, cfg: Any, methods: list[str]) -> dict[str, Path]:
+def _benchmark_paths(inp: EvalInputs, cfg: EvaluateSection, methods: list[str]) -> dict[str, Path]:
     """The benchmarks measured here: by the embedded decoder and the offline replay; with only 'serve' (and vLLM's
     in-process rows) they are the serve step's (`serve_asks.ask_on_server`): no transformers target loads for them."""
     if not {"embedded", "offline"} & set(methods):

@@ -15,7 +15,7 @@ import os
 import re
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3lib.common import atomic
 from eagle3lib.common.rundir import RunDir, manifest_file
@@ -36,6 +36,9 @@ from eagle3lib.evaluate.keys import (
     VLLM,
     serve_row,
 )
+
+if TYPE_CHECKING:
+    from eagle3lib.common.config import TrainSection
 
 
 def per_position(acceptance: dict[str, Any]) -> str | None:
@@ -223,7 +226,7 @@ def training_lines(rd: RunDir, m05: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def optimizer_summary(resolved: dict[str, Any], tcfg: Any) -> list[str]:
+def optimizer_summary(resolved: dict[str, Any], tcfg: TrainSection) -> list[str]:
     """One line: the optimizer stage 05 resolved (with why, where `train.optimizer` was auto) and its schedule; none
     for a draft trained elsewhere (benchmarks/peers.py's CLI arm) or before the optimizer was resolved."""
     name = resolved.get("optimizer")

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3lib.common import atomic, jsonl
 from eagle3lib.common.errors import WorkbookError
@@ -81,6 +81,11 @@ from eagle3lib.evaluate.serve_plan import (
     side_by_side_memory,
 )
 from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, recommend, verdict
+
+if TYPE_CHECKING:
+    from eagle3lib.common.config import WorkbookConfig
+    from eagle3lib.common.rundir import StageRun
+    from eagle3lib.evaluate.inputs import EvalInputs
 
 log = logging.getLogger("eagle3lib.evaluate")
 
@@ -135,7 +140,7 @@ def step_cost(spec: dict[str, Any], base: dict[str, Any]) -> float | None:
     return round(st * tps / bt, 4) if st and tps and bt else None
 
 
-def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+def sweep(stage: StageRun, results: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     """Stage 06's serve step, after `measure.measure` (when 'serve' is in evaluate.methods): the same held-out
     prompts, target, draft and dtype; adds results["serve"] and the server's acceptance row, rewrites
     eval/results.json. Returns the results."""
@@ -186,7 +191,7 @@ def sweep(stage: Any, results: dict[str, Any], progress: bool = True) -> dict[st
     return results
 
 
-def run_serve(cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str, device: str,
+def run_serve(cfg: WorkbookConfig, inp: EvalInputs, tok: Any, prompts: list[list[int]], workdir: Path, dname: str, device: str,
               fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
               group_labels: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
     """The serve method (see the module docstring): every server, every level, the outputs compared (asked by
@@ -209,7 +214,7 @@ class ServeSweep:
     measure (`todo`) and ask (`asks`), run side by side or one after another (`measure`), then gathered into
     results["serve"] (`collect`)."""
 
-    def __init__(self, cfg: Any, inp: Any, tok: Any, prompts: list[list[int]], workdir: Path, dname: str,
+    def __init__(self, cfg: WorkbookConfig, inp: EvalInputs, tok: Any, prompts: list[list[int]], workdir: Path, dname: str,
                  fingerprint: dict[str, Any], bench_items: dict[str, list[dict[str, Any]]],
                  group_labels: list[str] | None) -> None:
         from eagle3lib.common.device import on_cpu

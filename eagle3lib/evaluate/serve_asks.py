@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3lib.evaluate.decoder import Acceptance
 from eagle3lib.evaluate.methods import tokens_per_step
+
+if TYPE_CHECKING:
+    from eagle3lib.common.config import WorkbookConfig
+    from eagle3lib.evaluate.inputs import EvalInputs
 
 log = logging.getLogger("eagle3lib.evaluate")
 
@@ -125,7 +129,7 @@ def add_benchmark_rows(benches: dict[str, Any], rows: dict[str, dict[str, Any]])
                     "by_method"].update(row["by_method"])
 
 
-def tie_check(cfg: Any, inp: Any, prompts: list[list[int]], base_out: list[list[int]],
+def tie_check(cfg: WorkbookConfig, inp: EvalInputs, prompts: list[list[int]], base_out: list[list[int]],
               spec_outs: dict[str, list[list[int]]], device: str) -> dict[str, dict[str, Any]]:
     """Per speculating server, each output that differs from the baseline's, checked where it first differs (a
     rounding tie, or a token the target ranks low: `decoder.first_divergence`), with the transformers target

@@ -12,10 +12,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3lib.common import drafters
 from eagle3lib.common.errors import WorkbookError
+
+if TYPE_CHECKING:
+    from eagle3lib.common.config import EvaluateSection
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -56,7 +59,7 @@ def setting_label(setting: dict[str, Any], algorithm: str | None = None) -> str:
     return " ".join(parts)
 
 
-def drafter_settings(ecfg: Any, algorithm: str, checkpoint: Path) -> list[dict[str, Any]]:
+def drafter_settings(ecfg: EvaluateSection, algorithm: str, checkpoint: Path) -> list[dict[str, Any]]:
     """The settings a drafter is served with (evaluate.serve_grid's entries for it, `EvaluateSection.serve_settings`,
     k defaulting to drafters.default_k), refused where k passes what the drafter was trained for: P-EAGLE fills at
     most its trained depths, DFlash at most its block's slots after the anchor (EAGLE-3 may chain past its TTT
@@ -74,7 +77,7 @@ def drafter_settings(ecfg: Any, algorithm: str, checkpoint: Path) -> list[dict[s
     return settings
 
 
-def plan_servers(ecfg: Any, drafts: dict[str, Path]) -> list[ServerPlan]:
+def plan_servers(ecfg: EvaluateSection, drafts: dict[str, Path]) -> list[ServerPlan]:
     """The servers the sweep starts, in order: each drafter (train.algorithms' order) under each of its settings
     (the first one first: a draft vLLM cannot load fails before the others' minutes), n-gram lookup's when 'ngram'
     is configured, the target alone's."""

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3lib.evaluate.keys import SERVE
+
+if TYPE_CHECKING:
+    from eagle3lib.common.config import WorkbookConfig
 
 DATA_CURVE = "data_curve.json"  # a run's own data-volume curve (benchmarks/data_curve.py's JSON), when it has one
 
@@ -51,7 +54,7 @@ def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: s
                                                "divergences")}}
 
 
-def data_curve_path(cfg: Any, run_root: Path) -> Path:
+def data_curve_path(cfg: WorkbookConfig, run_root: Path) -> Path:
     """Where the verdict looks for the run's data-volume curve: evaluate.data_curve (relative to the repo root),
     else DATA_CURVE in the run folder."""
     from eagle3lib.common.config import REPO_ROOT

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from eagle3lib.common.config import WorkbookConfig
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.rundir import StageResult, StageRun
 from eagle3lib.common.target import ResolvedTarget
+
+if TYPE_CHECKING:
+    from eagle3lib.extract.prepare import Prepared
 
 ProgressFn = Callable[[int, int], None]  # (rows done, tokens done) since the last call
 
@@ -297,7 +300,7 @@ def shard_rows_for(cfg: WorkbookConfig, n_train: int, n_val: int) -> list[int] |
     return None
 
 
-def plan(cfg: WorkbookConfig, prepared: Any, target: ResolvedTarget) -> dict[str, Any]:
+def plan(cfg: WorkbookConfig, prepared: Prepared, target: ResolvedTarget) -> dict[str, Any]:
     """What the extraction will do: samples, tokens and the disk it will take (online, spool: the sample rows' only)."""
     layer_ids = target.layer_ids
     spec = shard_spec(cfg, layer_ids, target.info.hidden_size)
@@ -510,7 +513,7 @@ def _dp_devices(cfg: WorkbookConfig, model_dir: Path, backend: Any | None) -> li
     return devices
 
 
-def capture_dataset(stage: StageRun, target: ResolvedTarget, prepared: Any, the_plan: dict[str, Any],
+def capture_dataset(stage: StageRun, target: ResolvedTarget, prepared: Prepared, the_plan: dict[str, Any],
                     progress: bool = True, backend: Any | None = None) -> StageResult:
     """Extraction + token_freq for prepared rows: stage 02's outputs and metrics, for its manifest."""
     cfg, rd = stage.cfg, stage.rd

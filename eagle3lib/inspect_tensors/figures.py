@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eagle3lib.common import plots, shards
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.inspect_tensors.stats import HIST_BINS, HIST_LOG10, POS_BUCKETS, SlotStats, bucket_label
+
+if TYPE_CHECKING:
+    from eagle3lib.common.rundir import RunDir
 
 
 def _slot_names(layer_ids: list[int]) -> list[str]:
@@ -124,7 +127,7 @@ def fig_example_heatmap(hidden_states: torch.Tensor, layer_ids: list[int], index
 FIGURES = ("norm_hist", "dim_std", "cos_heatmap", "norm_by_position", "example_heatmap")
 
 
-def make_figure(result: Any, name: str, rd: Any, example_index: int = 0) -> Path:
+def make_figure(result: Any, name: str, rd: RunDir, example_index: int = 0) -> Path:
     """One stage-03 figure (a name of FIGURES) of a pass's result (the stage's `Inspection`: its stats, layer ids,
     dataset and rows), saved as figures/03_<name>.png (and shown inline in a notebook)."""
     if name == "example_heatmap":

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3lib.common import atomic
 from eagle3lib.common.errors import WorkbookError
@@ -66,6 +66,9 @@ from eagle3lib.verifier.weights import (
     extract_verifier,
     read_head,
 )
+
+if TYPE_CHECKING:
+    from eagle3lib.common.rundir import RunDir
 
 __all__ = ["VerifierResult", "point_checkpoint_at_target", "read_head", "run", "speculators_train_args"]
 
@@ -123,7 +126,7 @@ def run(stage: StageRun, check_speculators: bool = True) -> VerifierResult:
     )
 
 
-def speculators_train_args(rd: Any) -> list[str]:
+def speculators_train_args(rd: RunDir) -> list[str]:
     """The speculators train flags stage 04's outputs supply (see the module docstring)."""
     m04 = rd.read_manifest("04")
     layer_ids = rd.read_manifest("02")["metrics"]["layer_ids"][:-1]  # aux ids; speculators adds the final layer
