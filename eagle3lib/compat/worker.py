@@ -5,7 +5,7 @@ vLLM imports the module named by `worker_extension_cls` in each worker before th
 `worker_setup()` at module level here applies the worker-scope patches (rotary op, model registry, connector
 registry) in time. Use it when you have no extension of your own:
 
-    LLM(..., **eagle3lib.compat.vllm_engine_kwargs())   # worker_extension_cls="eagle3lib.compat.worker.CompatWorkerExtension"
+    LLM(..., worker_extension_cls="eagle3lib.compat.worker.CompatWorkerExtension")
     llm.collective_rpc("eagle3_compat_status")          # → one list of active patch names per worker
 """
 
