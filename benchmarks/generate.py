@@ -80,7 +80,7 @@ def log(msg: str) -> None:
 
 
 def prompts(tok: Any, n: int) -> list[str]:
-    from eagle3lib.extract import sources
+    from eagle3lib.common import sources
 
     recs = sources.read_jsonl(sources.bundled_prompts_path())
     out = []

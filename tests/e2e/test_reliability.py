@@ -403,7 +403,7 @@ def test_the_shipped_configs_pass_the_new_checks(tmp_path, smollm2_dir):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from eagle3lib.extract import sources  # noqa: E402
+from eagle3lib.common import sources  # noqa: E402
 
 CANONICAL = {"system", "user", "assistant"}
 text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() != "")

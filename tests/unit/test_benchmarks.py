@@ -35,7 +35,7 @@ def untrained_draft(target_dir: Path, out: Path, aux_ids: list[int]) -> Path:
 @pytest.mark.slow
 def test_stage_06_measures_tau_by_benchmark_with_mt_bench_second_turns(smollm2_dir, out_root, tmp_path):
     from eagle3lib import evaluate
-    from eagle3lib.common import atomic
+    from eagle3lib.common import atomic, sources
     from eagle3lib.common.config import load_config
     from eagle3lib.common.rundir import RunDir, StageRun
     from eagle3lib.common.stages import get_stage
@@ -44,7 +44,7 @@ def test_stage_06_measures_tau_by_benchmark_with_mt_bench_second_turns(smollm2_d
     from eagle3lib.evaluate.decoder import greedy_generate
     from eagle3lib.evaluate.inputs import eos_ids
     from eagle3lib.evaluate.keys import BENCH_ALL, BENCH_PATH, EMBEDDED
-    from eagle3lib.extract import prepare, sources
+    from eagle3lib.extract import prepare
 
     cfg = load_config(None, [f"run.output_root={out_root}", "run.name=bench", f"target.model={smollm2_dir}",
                              "target.dtype=float32", "evaluate.benchmarks=[mt_bench]", "evaluate.benchmark_prompts=2",
@@ -119,13 +119,12 @@ def test_the_math_and_code_sets_are_asked_grouped_and_reported_like_any_benchmar
     request asked), per-prompt counts grouped by `benchmarks.group`, then the report card's tables and
     `eagle3 compare`'s columns: one τ per benchmark and per category, by name, with no case of their own. No model:
     the counts are made up (prompt i accepts i % 4 of 3 draft tokens in one step)."""
-    from eagle3lib.common import atomic
+    from eagle3lib.common import atomic, sources
     from eagle3lib.evaluate import benchmarks
     from eagle3lib.evaluate.compare import compare_runs
     from eagle3lib.evaluate.decoder import Acceptance
     from eagle3lib.evaluate.keys import EMBEDDED
     from eagle3lib.evaluate.report import benchmark_lines
-    from eagle3lib.extract import sources
 
     def acc(accepted: int) -> dict:
         a = Acceptance(3)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from eagle3lib.common import sources
 from eagle3lib.common.config import load_config
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.target import load_tokenizer
-from eagle3lib.extract import prepare, sources
+from eagle3lib.extract import prepare
 
 
 def write_jsonl(path: Path, records: list) -> Path:

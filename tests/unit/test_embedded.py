@@ -226,7 +226,7 @@ def test_processes_that_convert_at_once_take_turns(tmp_path):
     import sys
 
     log = tmp_path / "log"
-    code = ("import os, sys, time; from eagle3lib import atomic\n"
+    code = ("import os, sys, time; from eagle3lib.common import atomic\n"
             "with atomic.exclusive(sys.argv[1]):\n"
             "    open(sys.argv[2], 'a').write(f'in {os.getpid()}\\n'); time.sleep(0.5)\n"
             "    open(sys.argv[2], 'a').write(f'out {os.getpid()}\\n')\n")

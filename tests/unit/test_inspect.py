@@ -135,7 +135,7 @@ def test_statistics_do_not_depend_on_order_or_chunking(tiny_run, monkeypatch):
     for i in reversed(range(16)):
         reverse.update(_load(rd, i)["hidden_states"])
     _same(reverse, whole)
-    from eagle3lib import inspect_stats
+    from eagle3lib.inspect_tensors import stats as inspect_stats
 
     monkeypatch.setattr(inspect_stats, "CHUNK_TOKENS", 7)  # every shard split into uneven token chunks
     monkeypatch.setattr(hs_inspect, "CHUNK_TOKENS", 7)  # (and the slot checks too)

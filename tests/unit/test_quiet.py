@@ -102,7 +102,7 @@ def test_setup_silences_library_info_and_named_harmless_warnings_but_not_the_res
     assert all(s in out for s in shown), out
     assert not [h for h in hidden if h in out], out
     # the user's own vLLM level wins
-    proc = subprocess.run([sys.executable, "-c", "import logging, os\nfrom eagle3lib import quiet\nquiet.setup()\n"
+    proc = subprocess.run([sys.executable, "-c", "import logging, os\nfrom eagle3lib.common import quiet\nquiet.setup()\n"
                            "print(os.environ['VLLM_LOGGING_LEVEL'], logging.getLogger('vllm').level)"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "VLLM_LOGGING_LEVEL": "INFO"})

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from eagle3lib.common import sources
 from eagle3lib.common.config import load_config
 from eagle3lib.common.errors import WorkbookError
-from eagle3lib.extract import sources
 from eagle3lib.extract.dedup import EvalIndex, normalize, overlaps
 
 HSETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
