@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from eagle3lib.common import shards  # noqa: E402
 from eagle3lib.common.config import load_config  # noqa: E402
-from eagle3lib.extract import capture  # noqa: E402
+from eagle3lib.extract import capture, data_parallel  # noqa: E402
 
 LLAMA_31_8B = dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
 TINY = dict(layers=4, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=1024)
@@ -72,9 +72,9 @@ def extract_once(work: Path, model_dir: Path, layer_ids: list[int], input_ids: l
     stamps: list[tuple[float, int]] = []
     ready: list[float] = []
     t0 = time.perf_counter()
-    capture._capture_data_parallel(cfg, model_dir, layer_ids, ddir, input_ids, list(range(len(input_ids))), devices,
-                                   spec, lambda rows, tokens: stamps.append((time.perf_counter(), tokens)),
-                                   on_ready=lambda dev: ready.append(time.perf_counter()))
+    data_parallel.capture_data_parallel(cfg, model_dir, layer_ids, ddir, input_ids, list(range(len(input_ids))),
+                                        devices, spec, lambda rows, tokens: stamps.append((time.perf_counter(), tokens)),
+                                        on_ready=lambda dev: ready.append(time.perf_counter()))
     wall = time.perf_counter() - t0
     all_ready = max(ready)  # every process has its model: from here on all of them compute
     steady_tokens = sum(t for ts, t in stamps if ts > all_ready)

@@ -35,16 +35,15 @@ ALGORITHMS: tuple[str, ...] = ("eagle3", "peagle", "dflash")
 class Drafter:
     name: str  # speculators' speculator_type, the checkpoint's speculators_model_type
     title: str  # how the report card and the notebooks name it
-    one_forward: bool  # proposes all its tokens in one forward
     shifted: bool  # speculators' data path shifts its batches (`shift_batch`: the state at t beside token t + 1)
     # cfg.train fields only this drafter reads (other drafters' checkpoints ignore a change to them)
     own_fields: tuple[str, ...] = ()
 
 
 DRAFTERS: dict[str, Drafter] = {
-    "eagle3": Drafter("eagle3", "EAGLE-3", False, True, ("ttt_steps", "ttt_step_loss_decay")),
-    "peagle": Drafter("peagle", "P-EAGLE", True, True, ("num_depths",)),
-    "dflash": Drafter("dflash", "DFlash", True, False, ("block_size",)),
+    "eagle3": Drafter("eagle3", "EAGLE-3", True, ("ttt_steps", "ttt_step_loss_decay")),
+    "peagle": Drafter("peagle", "P-EAGLE", True, ("num_depths",)),
+    "dflash": Drafter("dflash", "DFlash", False, ("block_size",)),
 }
 # cfg.train fields more than one drafter reads but not every one
 SHARED_FIELDS = {"max_anchors": ("peagle", "dflash")}

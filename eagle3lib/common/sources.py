@@ -17,9 +17,9 @@ Kinds:
   GSM8K's and MATH-500's problems are asked as they are; HumanEval's code is asked inside a request
   (`REQUEST_TEMPLATES` says which words and why).
 
-ShareGPT V3 as shipped is one JSON array of 125 MB cut off mid-record (not valid JSON), so `iter_json_array` reads
-it record by record from a stream (the C JSON decoder per record; a bracket scanner only where a record does not
-parse, to find where it ends): 17,671 complete conversations in about a second, and a `limit` stops reading early.
+ShareGPT V3 as shipped is one JSON array of 125 MB cut off mid-record (not valid JSON), so it is read record by
+record from a stream (`json_stream.iter_json_array`): 17,671 complete conversations in about a second, and a `limit`
+stops reading early.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -36,6 +35,7 @@ from typing import IO, Any
 
 from eagle3lib.common.config import BENCHMARK_KINDS, GENERATED_KINDS, DataSource, WorkbookConfig, benchmark_name
 from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.json_stream import iter_json_array
 
 ROLE_ALIASES = {
     "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
@@ -192,87 +192,6 @@ class SkipCounter:
         self.stats["skipped"][reason] = self.stats["skipped"].get(reason, 0) + 1
         if len(self.stats["examples"]) < EXAMPLES:
             self.stats["examples"].append(f"{where}: {reason}")
-
-
-_SEPARATORS = re.compile(r"[\s,]*")
-# a JSON string (escapes included), a quote that opens a string the buffer does not close, or a structural character
-_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[\[\]{},]', re.DOTALL)
-
-
-def _value_end(buf: str, pos: int) -> int | None:
-    """Where the array element starting at `pos` ends (after its closing bracket, or at the ',' or ']' that ends a
-    bare value), scanning brackets outside strings; None when it runs past the end of `buf` (read more)."""
-    depth = 0
-    for m in _TOKENS.finditer(buf, pos):
-        tok = m.group()
-        if tok == '"':
-            return None
-        if tok[0] == '"':
-            continue
-        if tok in "[{":
-            depth += 1
-        elif tok in "]}":
-            if depth == 0:
-                return m.start()
-            depth -= 1
-            if depth == 0:
-                return m.end()
-        elif depth == 0:  # ','
-            return m.start()
-    return None
-
-
-def iter_json_array(f: IO[str], chunk: int = 1 << 20) -> Iterator[tuple[str, Any]]:
-    """The elements of a JSON array read from a text stream one at a time: ("record", value) for each element that
-    parses, ("malformed", error) for one that does not (skipped to where it ends), and a final ("truncated",
-    characters) when the stream ends inside an element (a file cut off mid-record). Memory: one chunk plus the
-    element being read."""
-    decoder = json.JSONDecoder()
-    buf, pos, eof = "", 0, False
-
-    def more() -> None:
-        nonlocal buf, pos, eof
-        data = f.read(max(chunk, len(buf) - pos))  # doubling: an element larger than a chunk costs O(its size)
-        eof = not data
-        buf, pos = buf[pos:] + data, 0
-
-    opened = False
-    while True:
-        pos = _SEPARATORS.match(buf, pos).end()
-        if pos == len(buf):
-            if eof:
-                if not opened:
-                    raise WorkbookError("the file is empty", "point the source at a JSON array of records")
-                return  # ended after a complete element (or before any): the closing ']' is missing, nothing lost
-            more()
-            continue
-        if not opened:
-            if buf[pos] != "[":
-                raise WorkbookError(f"expected a JSON array of records, found {buf[pos:pos + 20]!r}",
-                                    "point the source at a JSON array ([{...}, {...}]), or use kind: jsonl")
-            opened = True
-            pos += 1
-            continue
-        if buf[pos] == "]":
-            return
-        try:
-            value, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError as e:
-            end = _value_end(buf, pos)
-            if end is None:
-                if eof:
-                    yield "truncated", len(buf) - pos
-                    return
-                more()
-                continue
-            yield "malformed", e.msg
-            pos = end
-            continue
-        if end == len(buf) and not eof and not isinstance(value, dict | list):
-            more()  # a number or literal at the end of the buffer may go on in the next chunk
-            continue
-        yield "record", value
-        pos = end
 
 
 def read_sharegpt(path: Path, limit: int | None = None, chunk: int = 1 << 20

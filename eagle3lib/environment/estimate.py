@@ -16,7 +16,7 @@ known before generation, the same way `prepare.prepare` builds the rows:
 A source that cannot be read before stage 02 (a hub dataset) counts `limit` (else 10,000) rows at `data.max_length`.
 Tokens are counted with the target's tokenizer for the first EXACT_TEXTS texts and from their characters per token
 after that: tokenizing all 22 MB of ShareGPT's user turns took 40 s on the 2-core box, reading them 1 s.
-Stage 02 checks again with the real token count before its first shard (`capture.require_disk`).
+Stage 02 checks again with the real token count before its first shard (`extract.disk.require_disk`).
 """
 
 from __future__ import annotations

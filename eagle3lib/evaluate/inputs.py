@@ -29,7 +29,6 @@ class EvalInputs:
     layer_ids: list[int]  # incl. the final id N
     train_rows: int
     val_rows: int
-    train_metrics: dict[str, Any]
     # every vLLM process of the run shares one cache (rundir.cache_root: model-info inspections, torch.compile
     # artifacts): the servers find what stage 02's engine already inspected (each miss costs tens of seconds on an
     # H200: docs/cpu.md#caches-and-environment)
@@ -61,7 +60,7 @@ def inputs_from_run(stage: StageRun) -> EvalInputs:
                       dataset_dir=rd.output("02", "dataset"), eval_prompts=rd.output("02", "eval_prompts"),
                       verifier_dir=rd.output("04", "verifier_dir"),
                       layer_ids=list(m02["metrics"]["layer_ids"]), train_rows=int(m02["metrics"]["train_rows"]),
-                      val_rows=int(m02["metrics"]["val_rows"]), train_metrics=m05.get("metrics", {}),
+                      val_rows=int(m02["metrics"]["val_rows"]),
                       benchmarks={key.removeprefix("benchmark_"): rd.root / path
                                   for key, path in m02["outputs"].items() if key.startswith("benchmark_")},
                       benchmark_info=m02["metrics"].get("benchmarks") or {},

@@ -21,7 +21,7 @@ Cost: what the extraction waits for is the probe rows' capture (through the same
 request of the extraction), not its judging. The probe rows are captured once: their captures (files or tensors) are
 kept and become their shards (`Pending.kept`); the judging — the CPU reference, the checkpoint's head, the checks —
 runs on a thread beside the extraction, and the shard writer holds every shard until the verdict
-(capture.ShardWriter's gate), so a failure still leaves no shard; reading the captures back (files, logprobs) is
+(shard_writer.ShardWriter's gate), so a failure still leaves no shard; reading the captures back (files, logprobs) is
 part of the judging. For an 8B shape on an H200 the extraction waits 0.9-1.0 s (worker) / 1.4 s (native) for it,
 net of the rows it no longer captures 0.7-0.8 s / 1.15 s, under 2% of the benchmark's run
 (docs/capture.md#the-capture-probe says where the seconds go).
@@ -158,7 +158,6 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
     notes: list[str] = []
     n_layers = layer_ids[-1]
     ref_ids = reference_ids(layer_ids, n_layers)
-    captured: dict[int, Any] = {}
     engine: dict[int, EngineDist] = {}
     paths: list[SecondPath] = []
     is_vllm = hasattr(backend, "logging")
@@ -176,18 +175,44 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
     reading = ThreadPoolExecutor(1, thread_name_prefix="probe-head")
     head_future = reading.submit(read_checkpoint_head, model_dir)
     reading.shutdown(wait=False)
+    captured, outputs = _capture_probe_rows(backend, rows, ref_ids, paths)
+    lap("capture")
+    kept = {r: c for r, c in captured.items() if r in keep}
+    if is_vllm:  # the logprobs are parsed by `complete`
+        engine_name = "vLLM logprobs of the same engine and forwards (prompt logprobs on the first row)"
+    elif hasattr(backend, "reference_forward"):
+        engine_name = "transformers logits of the same loaded model"
+        engine = _transformers_distribution(backend, rows, [k for k in ref_ids if k < n_layers], paths, notes)
+    else:
+        engine_name = ""
+        notes.append(f"final-state check skipped: the {type(backend).__name__} backend gives the probe no "
+                     "next-token distribution (e.g. a vllm serve endpoint)")
+    if not is_vllm:
+        lap("engine_distribution")  # the transformers forwards (vLLM's logprobs came with the capture)
+    obs = Observed(rows, {}, {}, engine, engine_name, paths, None, notes, seconds, head_reading=head_future,
+                   cpu_reference_ids=ref_ids if is_vllm or not hasattr(backend, "reference_forward") else None,
+                   captured=captured, kept_rows=frozenset(kept), outputs=outputs)
+    return obs, kept
+
+
+def _capture_probe_rows(backend: Any, rows: list[tuple[int, list[int]]], ref_ids: list[int],
+                        paths: list[SecondPath]) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The probe rows through the backend: the first (longest) row alone with prompt logprobs, then the rest as the
+    extraction runs them (they may read a prefix cache the first one filled). On the native vLLM engine the capture
+    worker's hooks run beside its connector (a second path, appended to `paths`). Returns the captures and vLLM's
+    request outputs (empty for other backends)."""
+    is_vllm = hasattr(backend, "logging")
+    captured: dict[int, Any] = {}
+    outputs: dict[int, Any] = {}
     with ExitStack() as stack:
         hooks = None
-        if hasattr(backend, "worker_hooks"):  # the native engine: the capture worker's hooks beside its connector
+        if hasattr(backend, "worker_hooks"):
             hook_path = SecondPath("vLLM capture worker hooks, same engine and forwards", ref_ids)
             paths.append(hook_path)
             try:
                 hooks = stack.enter_context(backend.worker_hooks(ref_ids))
             except Exception as e:  # noqa: BLE001 - a reference that cannot run is reported; the capture goes on
                 hook_path.note = f"could not run: {e}"
-        outputs: dict[int, Any] = {}
-        # the first (longest) row alone with prompt logprobs, then the rest as the extraction runs them (may read
-        # a prefix cache the first one filled)
         for part, prompt_lp in ((rows[:1], True), (rows[1:], False)):
             if not part:
                 continue
@@ -207,36 +232,29 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
                 hook_path.states = _read_states(got.items(), {})
             except Exception as e:  # noqa: BLE001
                 hook_path.note = f"could not run: {e}"
-    lap("capture")
-    kept = {r: c for r, c in captured.items() if r in keep}
-    if is_vllm:  # the logprobs are parsed by `complete`
-        engine_name = "vLLM logprobs of the same engine and forwards (prompt logprobs on the first row)"
-    elif hasattr(backend, "reference_forward"):
-        path = SecondPath("transformers output_hidden_states, same loaded model", [k for k in ref_ids
-                                                                                   if k < n_layers])
-        paths.append(path)
-        engine_name = "transformers logits of the same loaded model"
-        try:
-            for r, t in rows:
-                pos = positions(len(t))
-                logits, hidden = backend.reference_forward(t, pos, path.layer_ids)
-                engine[r] = _dist_from_logits(logits, pos)
-                n = min(len(t), REFERENCE_TOKENS)
-                path.states[r] = torch.stack([hidden[k][:n] for k in path.layer_ids], dim=1)
-        except Exception as e:  # noqa: BLE001 - e.g. a model class without logits_to_keep: reported, not fatal
-            engine, path.states = {}, {}
-            path.note = f"could not run: {e.__class__.__name__}: {e}"
-            notes.append(f"final-state check skipped: the model's own forward failed ({e.__class__.__name__}: {e})")
-    else:
-        engine_name = ""
-        notes.append(f"final-state check skipped: the {type(backend).__name__} backend gives the probe no "
-                     "next-token distribution (e.g. a vllm serve endpoint)")
-    if not is_vllm:
-        lap("engine_distribution")  # the transformers forwards (vLLM's logprobs came with the capture)
-    obs = Observed(rows, {}, {}, engine, engine_name, paths, None, notes, seconds, head_reading=head_future,
-                   cpu_reference_ids=ref_ids if is_vllm or not hasattr(backend, "reference_forward") else None,
-                   captured=captured, kept_rows=frozenset(kept), outputs=outputs)
-    return obs, kept
+    return captured, outputs
+
+
+def _transformers_distribution(backend: Any, rows: list[tuple[int, list[int]]], layer_ids: list[int],
+                               paths: list[SecondPath], notes: list[str]) -> dict[int, EngineDist]:
+    """The loaded model's own forward: its next-token distribution per row, and its output_hidden_states at
+    `layer_ids` as a second path (appended to `paths`). A model that cannot run it (e.g. a class without
+    logits_to_keep) is reported in the path's note and `notes`, not fatal."""
+    path = SecondPath("transformers output_hidden_states, same loaded model", layer_ids)
+    paths.append(path)
+    engine: dict[int, EngineDist] = {}
+    try:
+        for r, t in rows:
+            pos = positions(len(t))
+            logits, hidden = backend.reference_forward(t, pos, path.layer_ids)
+            engine[r] = _dist_from_logits(logits, pos)
+            n = min(len(t), REFERENCE_TOKENS)
+            path.states[r] = torch.stack([hidden[k][:n] for k in path.layer_ids], dim=1)
+    except Exception as e:  # noqa: BLE001
+        engine, path.states = {}, {}
+        path.note = f"could not run: {e.__class__.__name__}: {e}"
+        notes.append(f"final-state check skipped: the model's own forward failed ({e.__class__.__name__}: {e})")
+    return engine
 
 
 def complete(cfg: WorkbookConfig, obs: Observed, model_dir: Path) -> Observed:

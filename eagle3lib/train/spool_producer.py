@@ -129,7 +129,8 @@ def produce(job: dict[str, Any]) -> None:
     from eagle3lib.common import shards
     from eagle3lib.common.config import WorkbookConfig
     from eagle3lib.extract.backends import make_backend
-    from eagle3lib.extract.capture import capture_rows, shard_spec
+    from eagle3lib.extract.capture import shard_spec
+    from eagle3lib.extract.shard_writer import capture_rows
 
     cfg = WorkbookConfig.model_validate_json(job["cfg"])
     root, layer_ids = Path(job["spool"]), list(job["layer_ids"])

@@ -20,7 +20,7 @@ from eagle3lib.common import shards
 from eagle3lib.common.config import load_config
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.rundir import REPO_ROOT, open_stage
-from eagle3lib.extract import capture
+from eagle3lib.extract import capture, data_parallel, disk
 from eagle3lib.extract.backends import make_backend
 from eagle3lib.extract.backends.transformers_backend import TransformersBackend, plan_batches
 
@@ -150,7 +150,7 @@ def test_rows_that_do_not_fit_the_free_disk_stop_before_the_first_shard(tmp_path
     margin = 1_000_000 + 16 * sum(len(t) for t in ids)
     free = margin + per_token * sum(len(t) for t in ids[:4]) + per_token // 2  # rows 0-3 fit, row 4 does not
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(capture.shutil, "disk_usage", lambda path: usage(10 * free, 9 * free, free))
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: usage(10 * free, 9 * free, free))
     with pytest.raises(WorkbookError) as err:
         capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, masks, progress=False)
     msg = str(err.value)
@@ -475,7 +475,7 @@ def test_sigkill_mid_run_then_rerun_keeps_shards_and_matches_an_uninterrupted_ru
 
 def test_data_parallel_shares_are_token_balanced_and_complete():
     ids = [[0] * n for n in (500, 20, 300, 300, 40, 260, 90, 10)]
-    shares = capture._split_balanced(list(range(8)), ids, 3)
+    shares = data_parallel.split_balanced(list(range(8)), ids, 3)
     assert sorted(r for s in shares for r in s) == list(range(8))
     loads = [sum(len(ids[r]) for r in s) for s in shares]
     assert max(loads) - min(loads) <= 500  # no share is more than one longest row heavier
@@ -487,7 +487,7 @@ def test_data_parallel_processes_write_every_shard(tmp_path, tiny_llama_dir, tin
     cfg = tiny_cfg(tiny_llama_dir, "extract.batch_tokens=64", "extract.writer_threads=2")
     rows = random_rows(10, seed=3)
     ids = [t for _, t in rows]
-    monkeypatch.setattr(capture, "_dp_devices", lambda cfg, model_dir, backend: ["cpu", "cpu"])
+    monkeypatch.setattr(data_parallel, "devices_for", lambda cfg, model_dir, backend: ["cpu", "cpu"])
     ddir = tmp_path / "dataset"
     ext = capture.extract(cfg, ddir, tiny_llama_dir, LAYER_IDS, 64, ids, [[1] * len(t) for t in ids], progress=False,
                           probe_dir=tmp_path)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3lib.common import sources
+from eagle3lib.common import json_stream, sources
 from eagle3lib.common.config import load_config
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.extract.dedup import EvalIndex, normalize, overlaps
@@ -67,7 +67,7 @@ def sharegpt_element(draw):
 def read_all(data: bytes, chunk: int) -> tuple[list, dict]:
     path_like = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace")
     out, skipped = [], {}
-    for what, value in sources.iter_json_array(path_like, chunk):
+    for what, value in json_stream.iter_json_array(path_like, chunk):
         if what == "record":
             out.append(value)
         else:
