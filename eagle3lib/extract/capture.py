@@ -184,6 +184,8 @@ class _Extraction:
                 p.unlink()
 
     def capture(self, todo: list[int], total: int, kept: int, backend: Any | None) -> None:
+        """The rows in `todo`, with a progress bar over all the rows (`kept` of `total` already there); the capture's
+        speed into the metrics."""
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, initial=kept, desc="extract", unit="sample", disable=not self.progress)

@@ -32,9 +32,8 @@ def devices_for(cfg: WorkbookConfig, model_dir: Path, backend: Any | None) -> li
 
 
 def _worker(cfg_json: str, model_dir: str, layer_ids: list[int], dataset_dir: str,
-               rows: list[tuple[int, list[int]]], device: str, spec: shards.ShardSpec, queue: Any) -> None:
+            rows: list[tuple[int, list[int]]], device: str, spec: shards.ShardSpec, queue: Any) -> None:
     """One data-parallel process: its own GPU, its own backend and writer threads, progress to the parent."""
-    from eagle3lib.common.config import WorkbookConfig
     from eagle3lib.extract.backends.transformers_backend import TransformersBackend
 
     try:
@@ -65,8 +64,8 @@ def split_balanced(rows: list[int], input_ids: list[list[int]], n: int) -> list[
 
 
 def capture_data_parallel(cfg: WorkbookConfig, model_dir: Path, layer_ids: list[int], dataset_dir: Path,
-                           input_ids: list[list[int]], todo: list[int], devices: list[str], spec: shards.ShardSpec,
-                           on_written: ProgressFn, on_ready: Callable[[str], None] | None = None) -> None:
+                          input_ids: list[list[int]], todo: list[int], devices: list[str], spec: shards.ShardSpec,
+                          on_written: ProgressFn, on_ready: Callable[[str], None] | None = None) -> None:
     """One spawned process per device over balanced shares of `todo`; `on_ready(device)` once a process has its
     model loaded (benchmarks time the steady state from there)."""
     import torch.multiprocessing as mp
