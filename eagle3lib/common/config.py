@@ -1,4 +1,4 @@
-"""The one typed config that flows through every stage: every knob of the pipeline has its home here.
+"""The one typed config that flows through every stage: WorkbookConfig, its loading and its overrides.
 
 Why one object: each stage reads the sections it needs and records their hash in its manifest, so a later stage can
 tell whether what it reads was made with the same settings. Loaded from YAML (`configs/*.yaml`), overridden by
