@@ -72,7 +72,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny shape for a CPU smoke test")
     ap.add_argument("--prompts", type=int, default=None, help="rows (default 256; 24 with --tiny)")
@@ -85,8 +85,55 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     ap.add_argument("--workdir", default=None, help="where shards go (default: a temp folder, removed after)")
     ap.add_argument("--out", required=True, help="JSON result path")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def random_rows(n_rows: int, seq_len: int, vocab: int, vary: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """Random token rows (fixed length, or uniform in [seq_len/4, seq_len]) and a loss mask over their second half."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(seq_len // 4, seq_len + 1, (n_rows,), generator=g).tolist() if vary else [seq_len] * n_rows
+    input_ids = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lens]
+    return input_ids, [[0] * (L // 2) + [1] * (L - L // 2) for L in lens]
+
+
+def bare_forward_seconds(backend: TransformersBackend, batches: list, device: str) -> float:
+    """The forwards alone, the aux states gathered on the device, after a warm-up of the kernels, the device
+    allocator and the pinned host cache (a few batches held at once, as the writer threads hold them in the real
+    run, so the caching host allocator has its blocks before the clock starts)."""
+    with torch.inference_mode():
+        backend._forward(batches[0])
+    held = [hs for _, hs in backend.capture([r for b in batches[: min(4, len(batches))] for r in b])]
+    del held
+    sync(device)
+    t = time.time()
+    with torch.inference_mode():
+        for b in batches:
+            backend._forward(b)
+    sync(device)
+    return time.time() - t
+
+
+def extract_to_disk(cfg: Any, backend: TransformersBackend, work: Path, layer_ids: list[int], hidden: int,
+                    input_ids: list[list[int]], loss_mask: list[list[int]]) -> tuple[dict, float, int]:
+    """End to end through the capture path, shards validated and on disk (three spot-checked): the extraction's
+    metrics, its seconds (incl. the resume scan and the table save) and the bytes written."""
+    ddir = work / "dataset"
+    shutil.rmtree(ddir, ignore_errors=True)
+    t = time.time()
+    ext = capture.extract(cfg, ddir, Path("."), layer_ids, hidden, input_ids, loss_mask, progress=False,
+                          backend=backend)
+    e2e_s = time.time() - t
+    written = sorted(shards.shard_dir(ddir).glob("hs_*.safetensors"))
+    spec = capture.shard_spec(cfg, layer_ids, hidden)
+    n_rows = len(input_ids)
+    assert len(written) == n_rows, f"{len(written)} shards for {n_rows} rows"
+    for i in (0, n_rows // 2, n_rows - 1):
+        assert not shards.check_shard_file(shards.shard_path(ddir, i), input_ids[i], spec)
+    return ext, e2e_s, sum(p.stat().st_size for p in written)
+
+
+def main() -> None:
+    args = parse_args()
     import datasets  # noqa: F401 -- imported before any clock starts (the table save uses it)
 
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -95,67 +142,30 @@ def main() -> None:
         shape["layers"] = args.layers
     n_rows = args.prompts or (24 if args.tiny else 256)
     seq_len = args.seq_len or (128 if args.tiny else 2048)
-    dtype = getattr(torch, args.dtype)
     n = shape["layers"]
     layer_ids = [2, n // 2, n - 3, n] if n >= 6 else [1, 2, 3, n][-min(n, 4):]
 
     t = time.time()
-    model = build_target(shape, dtype, device)
+    model = build_target(shape, getattr(torch, args.dtype), device)
     sync(device)
     build_s = time.time() - t
-    g = torch.Generator().manual_seed(0)
-    lens = (torch.randint(seq_len // 4, seq_len + 1, (n_rows,), generator=g).tolist() if args.vary
-            else [seq_len] * n_rows)
-    input_ids = [torch.randint(0, shape["vocab"], (L,), generator=g).tolist() for L in lens]
-    loss_mask = [[0] * (L // 2) + [1] * (L - L // 2) for L in lens]
-    rows = list(enumerate(input_ids))
-    tokens = sum(lens)
-
+    input_ids, loss_mask = random_rows(n_rows, seq_len, shape["vocab"], args.vary)
+    tokens = sum(len(r) for r in input_ids)
     cfg = load_config(None, [f"target.dtype={args.dtype}", f"target.layer_ids={layer_ids[:-1]}",
                              f"extract.dtype={args.store_dtype}", f"extract.batch_tokens={args.batch_tokens}",
                              f"extract.writer_threads={args.writer_threads}", f"extract.devices={device}"])
     backend = TransformersBackend(cfg, Path("."), layer_ids, device=device, model=model)
-    batches = plan_batches(rows, args.batch_tokens)
-
-    # warm-up: kernels, the device allocator, and the pinned host cache (a few batches held at once, as the writer
-    # threads hold them in the real run, so the caching host allocator has its blocks before the clock starts)
-    with torch.inference_mode():
-        backend._forward(batches[0])
-    held = [hs for _, hs in backend.capture([r for b in batches[: min(4, len(batches))] for r in b])]
-    del held
-    sync(device)
-
-    # 1. bare forward with the aux states gathered on the device
-    t = time.time()
-    with torch.inference_mode():
-        for b in batches:
-            backend._forward(b)
-    sync(device)
-    bare_s = time.time() - t
-
-    # 2. end to end through the capture path: shards validated and on disk
+    batches = plan_batches(list(enumerate(input_ids)), args.batch_tokens)
+    bare = tokens / bare_forward_seconds(backend, batches, device)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
-    ddir = work / "dataset"
-    shutil.rmtree(ddir, ignore_errors=True)
     try:
-        t = time.time()
-        ext = capture.extract(cfg, ddir, Path("."), layer_ids, shape["hidden"], input_ids, loss_mask,
-                              progress=False, backend=backend)
-        e2e_s = time.time() - t  # incl. the resume scan and the table save
-        written = sorted(shards.shard_dir(ddir).glob("hs_*.safetensors"))
-        spec = capture.shard_spec(cfg, layer_ids, shape["hidden"])
-        assert len(written) == n_rows, f"{len(written)} shards for {n_rows} rows"
-        for i in (0, n_rows // 2, n_rows - 1):  # spot-check on disk
-            assert not shards.check_shard_file(shards.shard_path(ddir, i), input_ids[i], spec)
-        disk_bytes = sum(p.stat().st_size for p in written)
+        ext, e2e_s, disk_bytes = extract_to_disk(cfg, backend, work, layer_ids, shape["hidden"], input_ids, loss_mask)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     backend.close()
 
-    bare = tokens / bare_s
-    e2e_capture = ext["tokens_per_s"]
-    e2e_total = tokens / e2e_s
+    e2e_capture, e2e_total = ext["tokens_per_s"], tokens / e2e_s
     result = {
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu",
         "shape": shape, "layer_ids": layer_ids, "compute_dtype": args.dtype, "store_dtype": args.store_dtype,
