@@ -36,14 +36,27 @@ class Drafter:
     name: str  # speculators' speculator_type, the checkpoint's speculators_model_type
     title: str  # how the report card and the notebooks name it
     shifted: bool  # speculators' data path shifts its batches (`shift_batch`: the state at t beside token t + 1)
+    # the cfg.train field that sets the draft tokens it trains per step (TTT steps, depths, block slots), and whether
+    # the first of them is the anchor (DFlash's block) rather than a draft token
+    tokens_field: str
+    anchor_slot: bool
     # cfg.train fields only this drafter reads (other drafters' checkpoints ignore a change to them)
     own_fields: tuple[str, ...] = ()
 
+    @property
+    def tokens_knob(self) -> str:
+        """How the config sets its draft tokens per step, as a user writes it ("train.block_size - 1")."""
+        return f"train.{self.tokens_field}" + (" - 1" if self.anchor_slot else "")
+
+    def trained_positions(self, train_settings: dict[str, Any]) -> int:
+        """Its draft tokens per step from its training settings as speculators resolved them."""
+        return int(train_settings[self.tokens_field]) - int(self.anchor_slot)
+
 
 DRAFTERS: dict[str, Drafter] = {
-    "eagle3": Drafter("eagle3", "EAGLE-3", True, ("ttt_steps", "ttt_step_loss_decay")),
-    "peagle": Drafter("peagle", "P-EAGLE", True, ("num_depths",)),
-    "dflash": Drafter("dflash", "DFlash", False, ("block_size",)),
+    "eagle3": Drafter("eagle3", "EAGLE-3", True, "ttt_steps", False, ("ttt_steps", "ttt_step_loss_decay")),
+    "peagle": Drafter("peagle", "P-EAGLE", True, "num_depths", False, ("num_depths",)),
+    "dflash": Drafter("dflash", "DFlash", False, "block_size", True, ("block_size",)),
 }
 # cfg.train fields more than one drafter reads but not every one
 SHARED_FIELDS = {"max_anchors": ("peagle", "dflash")}

@@ -68,7 +68,7 @@ def drafter_settings(ecfg: EvaluateSection, algorithm: str, checkpoint: Path) ->
     settings = ecfg.serve_settings(algorithm, drafters.default_k(algorithm, checkpoint, ecfg.num_draft_tokens))
     for setting in settings:
         if algorithm != "eagle3" and setting["num_speculative_tokens"] > trained:
-            knob = "train.num_depths" if algorithm == "peagle" else "train.block_size - 1"
+            knob = drafters.DRAFTERS[algorithm].tokens_knob
             raise WorkbookError(
                 f"evaluate.serve_grid serves {drafters.title(algorithm)} with k = {setting['num_speculative_tokens']}, "
                 f"but it was trained for {trained} draft tokens per step ({knob})",

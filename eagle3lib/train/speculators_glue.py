@@ -120,8 +120,7 @@ def check_head_dim(verifier_dir: Path, algorithm: str) -> None:
 def draft_positions(spec_cfg: Any, algorithm: str) -> int:
     """How many draft tokens per step the drafter trains (its curves' positions): TTT steps, depths, or the block's
     slots after the anchor, as speculators resolved them."""
-    flat = spec_cfg.flatten()
-    return {"eagle3": flat["ttt_steps"], "peagle": flat["num_depths"], "dflash": flat["block_size"] - 1}[algorithm]
+    return drafters.DRAFTERS[algorithm].trained_positions(spec_cfg.flatten())
 
 
 def is_rank0() -> bool:

@@ -59,7 +59,7 @@ def check_vllm_config(ckpt: str | Path, *, hidden_size: int, aux_layer_ids: list
     method and tokens per step (`draft_tokens`), the verifier path, and the weight names."""
     from safetensors import safe_open
 
-    from eagle3lib.common.drafters import algorithm_of, checkpoint_config
+    from eagle3lib.common.drafters import algorithm_of, checkpoint_config, speculative_config
 
     algorithm = algorithm_of(ckpt)
     problems: list[str] = []
@@ -86,11 +86,14 @@ def check_vllm_config(ckpt: str | Path, *, hidden_size: int, aux_layer_ids: list
                         f"{len(aux_layer_ids)} (num_aux_hidden_states missing: see pin_aux_layer_count)")
     if hf.get("target_hidden_size", hidden_size) != hidden_size:
         problems.append(f"target_hidden_size {hf.get('target_hidden_size')} != {hidden_size}")
-    method = {"dflash": "dflash"}.get(algorithm, "eagle3")
-    if (spec.get("method") != method or spec.get("num_speculative_tokens") != draft_tokens
-            or bool(spec.get("parallel_drafting")) != (algorithm == "peagle")):
-        problems.append(f"speculative config {spec}, expected {method} with {draft_tokens} tokens"
-                        + (" and parallel_drafting" if algorithm == "peagle" else ""))
+    served = speculative_config(algorithm, ckpt, draft_tokens)  # what stage 06 starts the drafter's server with
+
+    def drafting(s: dict[str, Any]) -> tuple[Any, Any, bool]:
+        return s.get("method"), s.get("num_speculative_tokens"), bool(s.get("parallel_drafting"))
+
+    if drafting(spec) != drafting(served):
+        problems.append(f"speculative config {spec}, expected {served['method']} with {draft_tokens} tokens"
+                        + (" and parallel_drafting" if served.get("parallel_drafting") else ""))
     if not view["verifier"] or not Path(view["verifier"]).is_dir():
         problems.append(f"verifier path {view['verifier']!r} is not a folder here")
     with safe_open(str(Path(ckpt) / "model.safetensors"), "pt") as f:
