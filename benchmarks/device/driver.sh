@@ -57,11 +57,13 @@
 #                with stage 06's CUDA graph sizes and with vLLM's defaults: step time by requests in flight
 #                -> $RES/serve_graphs_<run>.json (+ .png; benchmarks/serve_graphs.py)
 #   drafter_steps GPU 0: each drafter's server alone with an untrained draft (EAGLE-3 k=3, P-EAGLE k=3, DFlash k=15)
-#                against the target alone at concurrency 1, 4, 16 -> $RES/drafter_steps_<run>.json
+#                against the target alone at concurrency 1, 4, 16 (STEP_GRID: other servers, as --grid's JSON)
+#                -> $RES/drafter_steps_<run>.json
 #                (benchmarks/drafter_steps.py)
 #   algorithms   GPU 0: $RUN's stages 00-04, each drafter of DRAFTERS trained on a fork of its own side by side
 #                (ALG_EPOCHS, ALG_TRAIN_FRACTION), then all of them through stage 06, each server alone (ALG_GRID,
-#                ALG_BENCH_PROMPTS) -> $RES/algorithms_<run>.json (benchmarks/algorithms.py)
+#                ALG_BENCH_PROMPTS; ALG_PARAMS: overrides for each of its runs) -> $RES/algorithms_<run>.json
+#                (benchmarks/algorithms.py)
 #   gen_data     GPU 0: stages 00-02 of $RUN-x$GEN_SCALE ($RUN at GEN_SCALE=1) online: $CONFIG's sources scaled by
 #                GEN_SCALE (default 4; 1 = the config's own, e.g. configs/qwen-coder-1.5b-x4-h200.yaml),
 #                generated on GEN_ENGINES (default 4) engines (again on one if that fails: the cache keeps what was
@@ -181,12 +183,12 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q DRAFTERS=%q ALG_EPOCHS=%q ALG_TRAIN_FRACTION=%q ALG_GRID=%q ALG_BENCH_PROMPTS=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q DRAFTERS=%q ALG_EPOCHS=%q ALG_TRAIN_FRACTION=%q ALG_GRID=%q ALG_BENCH_PROMPTS=%q ALG_PARAMS=%q STEP_GRID=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli}" \
     "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${GRAPH_GRID:-2}" "${DRAFTERS:-eagle3 peagle dflash}" \
-    "${ALG_EPOCHS:-1}" "${ALG_TRAIN_FRACTION:-1}" "${ALG_GRID:-}" "${ALG_BENCH_PROMPTS:-40}" > "$RES/plan.env"
+    "${ALG_EPOCHS:-1}" "${ALG_TRAIN_FRACTION:-1}" "${ALG_GRID:-}" "${ALG_BENCH_PROMPTS:-40}" "${ALG_PARAMS:-}" "${STEP_GRID:-}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
   cp benchmarks/device/driver.sh "$RES/driver.sh"
@@ -411,7 +413,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # costs the same whatever the weights): EAGLE-3 k=3, P-EAGLE k=3, DFlash k=15 against the target alone at
       # concurrency 1, 4, 16 (benchmarks/drafter_steps.py) -> $RES/drafter_steps_$RUN.json
       step "untrained drafts' servers, each alone: the step cost per drafter"
-      CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/drafter_steps.py --config "$CONFIG" --run "$RUN-steps" --requests 16 \
+      CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/drafter_steps.py --config "$CONFIG" --run "$RUN-steps" --requests 16 ${STEP_GRID:+--grid "$STEP_GRID"} \
         --out "$RES/drafter_steps_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=drafter_steps, $CONFIG" \
         > "$RES/drafter_steps.log" 2>&1
@@ -423,11 +425,14 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # (each resumed: nothing left to train) and 06 with every server alone, one after another (ALG_GRID: the
       # drafters' serve settings; ALG_BENCH_PROMPTS questions per benchmark) -> $RES/algorithms_$RUN.json
       drafters=${DRAFTERS:-eagle3 peagle dflash}
-      ta=(-p "train.epochs=${ALG_EPOCHS:-1}" -p "train.train_fraction=${ALG_TRAIN_FRACTION:-1}")
+      # ALG_PARAMS: overrides for every run of the step (-p KEY=VALUE words, no spaces inside a value), e.g. fewer
+      # rows (-p data.num_samples=2400) where the device time left is short
+      # shellcheck disable=SC2206 - ALG_PARAMS is a list of -p KEY=VALUE words
+      ta=($ALG_PARAMS -p "train.epochs=${ALG_EPOCHS:-1}" -p "train.train_fraction=${ALG_TRAIN_FRACTION:-1}")
       ea=(-p "evaluate.serve_side_by_side_kv_gib=null" -p "evaluate.benchmark_prompts=${ALG_BENCH_PROMPTS:-40}"
           -p "evaluate.serve_grid=${ALG_GRID:-[{algorithm: eagle3, num_speculative_tokens: 3}, {algorithm: peagle, num_speculative_tokens: 5}, {algorithm: dflash}]}")
       unpack_replies "$RUN"
-      has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 alg_base --run "$RUN" --stages 00-04; }
+      has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 alg_base --run "$RUN" --stages 00-04 $ALG_PARAMS; }
       step "stage 05 of each of $drafters on a fork of its own (side by side on GPU 0)"
       for a in $drafters; do
         fork "$RUN" "$RUN-$a"; run_on 0 "alg_train_$a" --run "$RUN-$a" --stages 05 -p "train.algorithms=[$a]" "${ta[@]}" &
