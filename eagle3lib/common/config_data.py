@@ -235,6 +235,7 @@ class VerifierSection(Section):
                                   "(the runner refuses a larger one).")
     check_with_transformers: Literal["auto", "always", "never"] = Field(
         "auto", description="Cross-check the extracted tensors against a transformers load of the whole target: "
-        "auto = only when its safetensors total at most 4 GB (never for a Kimi-sized target)."
+        "auto = only when its safetensors total at most 4 GB and AutoModelForCausalLM can load it (never for a "
+        "Kimi-sized target, nor for the kimi_k25 wrapper without its own code)."
     )
 

@@ -50,6 +50,38 @@ def checkpoint_bytes(model_dir: Path) -> int:
         p.stat().st_size for p in model_dir.glob("*.bin"))
 
 
+def weights_bytes(model_dir: Path) -> int:
+    """The checkpoint's weights in bytes as it stores them (its own dtype and quantization): the safetensors index's
+    `metadata.total_size` where there is one (readable before every shard is on disk), else `checkpoint_bytes`."""
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+        if total:
+            return int(total)
+    return checkpoint_bytes(model_dir)
+
+
+def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: int | None = None) -> str | None:
+    """Why transformers' `AutoModelForCausalLM` cannot load this target (onto one device of `device_bytes`, where
+    given), None when it can: its model_type must be in transformers' causal-LM table, or its config's `auto_map`
+    must name a class for it under target.trust_remote_code. Kimi-K2.5's `kimi_k25` wrapper is in neither without
+    Kimi's own code (transformers registers it as image-text-to-text), and a run that needs the transformers target
+    would find out only when the stage that loads it starts."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cfg = read_hf_config(model_dir)
+    model_type = cfg.get("model_type", "?")
+    remote = "AutoModelForCausalLM" in (cfg.get("auto_map") or {})
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (remote and trust_remote_code):
+        size = checkpoint_bytes(model_dir)
+        if device_bytes and size > 0.9 * device_bytes:
+            return f"its weights ({size / 1e9:.1f} GB) do not fit one device ({device_bytes / 1e9:.1f} GB)"
+        return None
+    return (f"transformers' AutoModelForCausalLM has no class for model_type {model_type!r}"
+            + (" without the checkpoint's own code (target.trust_remote_code is off)" if remote else
+               " and the checkpoint's config names none (no auto_map entry)"))
+
+
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 

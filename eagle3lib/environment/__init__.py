@@ -19,14 +19,9 @@ from eagle3lib.common.config import WorkbookConfig
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.rundir import StageResult, StageRun
 from eagle3lib.common.target import TargetInfo, describe_target, resolve_layer_ids, resolve_model_path
+from eagle3lib.environment.checks import Check
 from eagle3lib.environment.estimate import DataEstimate, estimate_data
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # "pass" | "warn" | "fail"
-    detail: str
+from eagle3lib.environment.target_fit import transformers_target_check, vllm_memory_check
 
 
 def _version(name: str) -> str | None:
@@ -221,6 +216,9 @@ def check_environment(cfg: WorkbookConfig, run_root: Path) -> tuple[list[Check],
                                 f"vocab {info.vocab_size}: clipped to {info.vocab_size}"))
         if ids is not None:
             checks.append(disk_check(cfg, model_dir, info, len(ids) - 1, run_root, facts))
+        gpu_bytes = min(int(g["memory_gib"] * 2**30) for g in gpus) if gpus else None  # type: ignore[index]
+        checks.append(transformers_target_check(cfg, model_dir, gpu_bytes))
+        checks.append(vllm_memory_check(cfg, model_dir, gpu_bytes, facts))
     checks.append(Check("trust_remote_code", "warn" if cfg.target.trust_remote_code else "pass",
                         "ON: the checkpoint's own Python code will run" if cfg.target.trust_remote_code else "off"))
     return checks, facts

@@ -105,7 +105,7 @@ def measure(stage: StageRun, progress: bool = True) -> dict[str, Any]:
     bench_files = _benchmark_files(m)
     if ("embedded" in m.methods and not m.done.has("embedded")) or "offline" in m.methods or any(
             not m.done.has(f"benchmark {n}") for n in bench_files):
-        m.target = load_target(m.inp.model_dir, m.device, m.dtype)
+        m.target = load_target(m.inp.model_dir, m.device, m.dtype, m.stage.cfg.target.trust_remote_code)
         m.eos = eos_ids(m.target, m.tok)
     if "offline" in m.methods and m.inp.val_rows > 0:
         _offline_rows(m)

@@ -72,10 +72,13 @@ def add_held_out_groups(results: dict[str, Any], by: str, method: str, groups: d
         into.setdefault(label, {"prompts": acc["prompts"], "by_method": {}})["by_method"][method] = acc
 
 
-def load_target(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
+def load_target(model_dir: Path, device: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:
+    """The target in transformers on one device (the embedded decoder, the offline replay, the tie check): what
+    `common.target.causal_lm_refusal` says it can load, which stage 00 checks."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                trust_remote_code=trust_remote_code).to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------------- methods

@@ -242,6 +242,10 @@ def section(serve: dict[str, Any] | None) -> list[str]:
         differ = (st.get("prompts") or serve.get("prompts") or 0) - (st.get("identical") or 0)
         if differ:
             ties, other = st.get("differ_at_a_tie"), st.get("differ_otherwise")
+            if st.get("not_checked"):
+                out += [f"Greedy outputs of `{name}`: {st.get('identical')}/{serve.get('prompts')} identical; the "
+                        f"others not checked for rounding ties ({st['not_checked']}).", ""]
+                continue
             out += [f"Greedy outputs of `{name}` (token ids, each prompt once per server): {st.get('identical')}/"
                     f"{serve.get('prompts')} identical; of the {differ} that differ, {ties} first differ at a "
                     "rounding tie (both tokens within rounding of the target's top logit)"

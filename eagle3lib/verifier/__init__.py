@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from eagle3lib.common import atomic
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.rundir import StageResult, StageRun
-from eagle3lib.common.target import checkpoint_bytes
+from eagle3lib.common.target import causal_lm_refusal, checkpoint_bytes
 from eagle3lib.verifier.draft_vocab import (
     DraftVocab,
     load_token_freq,
@@ -96,8 +96,10 @@ def run(stage: StageRun, check_speculators: bool = True) -> VerifierResult:
     if check_speculators:
         checks["speculators load_model_layers(verifier/)"] = check_against_speculators(rd.path("verifier"), vt)
     mode = cfg.verifier.check_with_transformers
-    if mode == "always" or (mode == "auto" and checkpoint_bytes(model_dir) <= TRANSFORMERS_CHECK_AUTO_MAX_BYTES):
-        checks["transformers from_pretrained(target)"] = check_against_transformers(model_dir, vt)
+    trust = cfg.target.trust_remote_code
+    if mode == "always" or (mode == "auto" and checkpoint_bytes(model_dir) <= TRANSFORMERS_CHECK_AUTO_MAX_BYTES
+                            and causal_lm_refusal(model_dir, trust) is None):
+        checks["transformers from_pretrained(target)"] = check_against_transformers(model_dir, vt, trust)
     bad = {name: d for name, d in checks.items() if any(v != 0.0 for v in d.values() if v == v)}
     if bad:
         raise WorkbookError(f"the extracted verifier tensors differ from what is loaded back: {bad}",

@@ -412,12 +412,12 @@ def check_against_speculators(verifier_dir: Path, vt: VerifierTensors) -> dict[s
             "lm_head": _max_abs_diff(lm_head, vt.lm_head), "norm": _max_abs_diff(got["model.norm.weight"], vt.norm)}
 
 
-def check_against_transformers(model_dir: Path, vt: VerifierTensors) -> dict[str, float]:
+def check_against_transformers(model_dir: Path, vt: VerifierTensors, trust_remote_code: bool = False) -> dict[str, float]:
     """Load the target with transformers (in the checkpoint's dtype) and compare: max |difference| per tensor.
     Loads the whole model, so only for targets that fit in memory (see VerifierSection.check_with_transformers)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", trust_remote_code=trust_remote_code)
     try:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         norm = getattr(decoder, "norm", None)
