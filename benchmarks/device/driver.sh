@@ -73,6 +73,9 @@
 #   curve_online GPU 0: those committed caches unpacked, stages 00-02 and 04 of $RUN-x$GEN_SCALE online, then stages
 #                05 (one epoch, online) and 06 (embedded) on forks at each train.train_fraction of CURVE (default
 #                "1"), side by side when there are several
+#   kimi_shaped  GPU 0: scripts/kimi_shaped.py's Kimi-K2.5-shaped checkpoint, then stages 00-06 of $CONFIG
+#                (configs/kimi-k2.5-shaped-1gpu.yaml) as $RUN -> $RES/kimi_shaped_<run>.json (benchmarks/kimi_shaped.py);
+#                its tokenizer is SmolLM2's: bundle CONFIGS="configs/smollm2-h200.yaml configs/kimi-k2.5-shaped-1gpu.yaml"
 #   fp8_ab       GPU 0: $RUN-fp8ab, stages 00-06 with bf16 shards and one epoch, then benchmarks/fp8_ab.py's FP8 fork
 #                of it (stages 02-06) -> $RES/fp8_ab_$RUN.json
 #   vllm_extract GPU 0: vLLM prefill vs the workbook's native and worker captures on a random Llama-3.1-8B-shaped
@@ -229,7 +232,7 @@ plan)
   source /tmp/eagle3-env.sh
   lscpu > "$RES/lscpu.txt" 2>&1  # the host's CPU: the probe's head check and vLLM's scheduling run on it
   # the config's target, converted once (an embedded GGUF), before two runs race: its seconds in convert.log
-  if [ "$STEPS" != vllm_extract ]; then  # vllm_extract writes its own random checkpoint
+  if [ "$STEPS" != vllm_extract ] && [ "$STEPS" != kimi_shaped ]; then  # both write their own random checkpoint
     step "target of $CONFIG"; t=$(date +%s)
     python3 -c "import sys; from eagle3lib.common.config import load_config; from eagle3lib.common.target import resolve_model_path
 print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/convert.log" 2>&1
@@ -446,6 +449,19 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       python3 benchmarks/algorithms.py report --run-dir "outputs/$RUN-drafters" --out "$RES/algorithms_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=algorithms DRAFTERS='$drafters', $CONFIG ${ta[*]} ${ea[*]}; training side by side on one GPU, each server alone" \
         > "$RES/alg_report.log" 2>&1
+      ;;
+    kimi_shaped)
+      # the Kimi-K2.5 path on GPU kernels: scripts/kimi_shaped.py's checkpoint (the kimi_k25 wrapper, MLA and MoE
+      # shapes per layer, 2.2B, random weights) at the path $CONFIG names (configs/kimi-k2.5-shaped-1gpu.yaml:
+      # /tmp/kimi-shaped), then stages 00-06 of $CONFIG as $RUN -> $RES/kimi_shaped_$RUN.json (benchmarks/kimi_shaped.py:
+      # stage seconds, the probe, vLLM's attention backend and MoE kernel, the served draft's tau and tokens/s)
+      step "Kimi-K2.5-shaped checkpoint"
+      python3 scripts/kimi_shaped.py --out "$(python3 -c "import sys; from eagle3lib.common.config import load_config
+print(load_config(sys.argv[1]).target.model)" "$CONFIG")" > "$RES/kimi_build.log" 2>&1
+      step "stages 00-06 of $RUN"; run_on 0 kimi --run "$RUN"
+      python3 benchmarks/kimi_shaped.py --run-dir "outputs/$RUN" --log "$RES/kimi.log" --out "$RES/kimi_shaped_$RUN.json" \
+        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=kimi_shaped, $CONFIG" \
+        > "$RES/kimi_report.log" 2>&1
       ;;
     fp8_ab)
       # FP8 vs bf16 shards on the recipe's data, same seed, one epoch each, held-out tau (embedded): arm A

@@ -1,0 +1,80 @@
+"""Benchmark (not a test): a Kimi-K2.5-shaped run through stages 00-06 on GPU kernels, in one JSON.
+
+    python scripts/kimi_shaped.py --out /tmp/kimi-shaped
+    eagle3 run --config configs/kimi-k2.5-shaped-1gpu.yaml 2>&1 | tee run.log
+    python benchmarks/kimi_shaped.py --run-dir outputs/kimi-k2.5-shaped-1gpu --log run.log \
+        --out kimi_shaped_<machine>.json --note "date, commit, machine, command"
+
+What it proves is the path, not a draft (the target's weights are random): every stage's seconds, the capture
+probe's figures on vLLM's MLA and fused-MoE kernels (`passed`), the attention backend and MoE kernel vLLM chose (read
+from its own log lines in the run's output), the capture strategy, and the served draft's τ and tokens/s.
+benchmarks/device/driver.sh STEPS=kimi_shaped runs all three commands on a GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# vLLM's own log lines naming what it chose (vllm/v1/attention/backends, vllm/model_executor/layers/fused_moe)
+ATTENTION = re.compile(r"Using (\w+) (?:attention )?backend")
+MOE = re.compile(r"(?i)[^\n]*\bmoe\b[^\n]*(?:backend|kernel|config)[^\n]*")
+
+
+def vllm_choices(log: str) -> dict[str, Any]:
+    """The attention backends and MoE kernel lines vLLM logged, each once, in order."""
+    attention = list(dict.fromkeys(ATTENTION.findall(log)))
+    moe = list(dict.fromkeys(m.strip()[-200:] for m in MOE.findall(log)))
+    return {"attention_backend": attention[0] if attention else None, "attention_backends_seen": attention,
+            "moe_kernel_lines": moe[:6]}
+
+
+def report(run_dir: Path, log: str, note: str) -> dict[str, Any]:
+    """The JSON (module docstring) from a finished run folder and its output."""
+    from eagle3lib.common.config import load_config
+    from eagle3lib.evaluate.keys import SERVE, VLLM
+    from eagle3lib.evaluate.report import read_manifests
+
+    cfg = load_config(run_dir / "config.yaml")
+    probe = json.loads((run_dir / "capture_probe.json").read_text())
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    serve = results.get("serve") or {}
+    served = {c: {"tau": lv.get("tau"), "output_tok_s": (lv.get("draft") or {}).get("output_throughput"),
+                  "baseline_output_tok_s": lv["baseline"].get("output_throughput"),
+                  "speedup": lv.get("output_tok_s_ratio")} for c, lv in (serve.get("by_level") or {}).items()}
+    return {"note": note, "run": run_dir.name, "target": cfg.target.model,
+            "stage_seconds": {m["stage"]: m.get("seconds") for m in read_manifests(run_dir).values()},
+            "probe": {k: probe.get(k) for k in ("passed", "backend", "seconds", "tolerance", "engine_distribution",
+                                                "second_paths", "checks")},
+            "capture_strategy": f"{cfg.extract.backend}:{cfg.extract.strategy}", "fp8_shards": cfg.extract.fp8_shards,
+            **vllm_choices(log), "tau_vllm_engine": (results["by_method"].get(VLLM) or {}).get("tau"),
+            "tau_served": (results["by_method"].get(SERVE) or {}).get("tau"),
+            "served": served, "verdict": (serve.get("verdict") or {}).get("line")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--log", type=Path, required=True, help="the run's output (stdout and stderr)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--note", default="")
+    a = ap.parse_args(argv)
+    from eagle3lib.common import atomic
+
+    logs = [a.log, *sorted(a.run_dir.rglob("*.log"))]  # the run's output, then its servers' and children's logs
+    out = report(a.run_dir, "\n".join(f.read_text(errors="replace") for f in logs), a.note)
+    atomic.write_json(a.out, out)
+    print(json.dumps({k: out[k] for k in ("stage_seconds", "capture_strategy", "attention_backend", "served")},
+                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
