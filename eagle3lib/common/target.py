@@ -61,6 +61,10 @@ def weights_bytes(model_dir: Path) -> int:
     return checkpoint_bytes(model_dir)
 
 
+# of one device's memory a transformers target's weights may take (the rest: activations, the draft)
+ONE_DEVICE_SHARE = 0.9
+
+
 def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: int | None = None) -> str | None:
     """Why transformers' `AutoModelForCausalLM` cannot load this target (onto one device of `device_bytes`, where
     given), None when it can: its model_type must be in transformers' causal-LM table, or its config's `auto_map`
@@ -73,8 +77,8 @@ def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: in
     model_type = cfg.get("model_type", "?")
     remote = "AutoModelForCausalLM" in (cfg.get("auto_map") or {})
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (remote and trust_remote_code):
-        size = checkpoint_bytes(model_dir)
-        if device_bytes and size > 0.9 * device_bytes:
+        size = weights_bytes(model_dir)
+        if device_bytes and size > ONE_DEVICE_SHARE * device_bytes:
             return f"its weights ({size / 1e9:.1f} GB) do not fit one device ({device_bytes / 1e9:.1f} GB)"
         return None
     return (f"transformers' AutoModelForCausalLM has no class for model_type {model_type!r}"
