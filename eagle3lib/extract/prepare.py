@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from eagle3lib.common import atomic, jsonl
-from eagle3lib.common.config import GENERATED_KINDS, WorkbookConfig
+from eagle3lib.common.config import GENERATED_KINDS, DataSection, WorkbookConfig
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.sources import first_prompt, prompt_key, read_benchmark, read_sources
 from eagle3lib.common.target import load_tokenizer
@@ -425,29 +425,42 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
         if missing:
             raise WorkbookError(f"{missing} of {len(convs)} training conversations have no assistant reply",
                                 "set data.self_distill=true (the target writes the replies) or use data with replies")
-    ids, masks, kept, cats = [], [], [], []
-    dropped = truncated = 0
-    for rec, conv, (i, m) in zip(pool, convs, tokenize_conversations(tok, convs), strict=True):
-        full_len = len(i)
-        i, m = i[: d.max_length], m[: d.max_length]
-        if sum(m) == 0:
-            dropped += 1  # the prompt alone fills max_length: nothing left to learn from
-            continue
-        truncated += full_len > d.max_length
-        ids.append(i)
-        masks.append(m)
-        kept.append(conv)
-        cats.append(rec.get("category"))
+    ids, masks, kept, cats = _training_rows(d, pool, convs, tok, stats)
     n = len(ids)
     if n == 0:
         raise WorkbookError(f"every conversation lost its assistant tokens to data.max_length={d.max_length}",
                             "raise data.max_length")
     n_val = min(n - 1, math.ceil(n * d.val_fraction)) if d.val_fraction > 0 and n >= 2 else 0
-    stats.update(dropped_rows=dropped, truncated_rows=truncated)
     split = ["train"] * (n - n_val) + ["val"] * n_val
     atomic.write_text(data_dir / "train.jsonl", jsonl.dumps(
         {"messages": c, "category": cat, "split": s} for c, cat, s in zip(kept, cats, split, strict=True)))
     return Prepared(ids, masks, kept, cats, n - n_val, n_val, eval_prompts, stats)
+
+
+def _training_rows(d: DataSection, pool: list[dict[str, Any]], convs: list[list[dict[str, str]]], tok,
+                   stats: dict[str, Any]) -> tuple[list[list[int]], list[list[int]], list, list]:
+    """Token ids, loss masks, conversations and categories of the rows that keep trained-on tokens within
+    data.max_length (and are no loop, with data.max_repeated_share); what was dropped, cut or looping into `stats`."""
+    rows = []
+    dropped = truncated = 0
+    looping = dict.fromkeys(LOOP_SHARES, 0)
+    for rec, conv, (i, m) in zip(pool, convs, tokenize_conversations(tok, convs), strict=True):
+        full_len = len(i)
+        i, m = i[: d.max_length], m[: d.max_length]
+        share = repeated_share([t for t, k in zip(i, m, strict=True) if k])
+        looping.update({x: looping[x] + 1 for x in LOOP_SHARES if share > x})
+        if sum(m) == 0 or (d.max_repeated_share is not None and share > d.max_repeated_share):
+            dropped += 1  # the prompt alone fills max_length (nothing left to learn from), or a loop
+            continue
+        truncated += full_len > d.max_length
+        rows.append((i, m, conv, rec.get("category")))
+    stats.update(dropped_rows=dropped, truncated_rows=truncated,
+                 looping_rows={f"over {x}": c for x, c in looping.items()})
+    ids, masks, kept, cats = (list(col) for col in zip(*rows, strict=True)) if rows else ([], [], [], [])
+    return ids, masks, kept, cats
+
+
+LOOP_SHARES = (0.3, 0.5)  # the repeated_share levels stage 02 counts rows above (its statistics' `looping_rows`)
 
 
 def repeated_share(tokens: list[int], n: int = 8) -> float:

@@ -563,3 +563,26 @@ def test_the_example_row_is_a_reply_that_is_not_a_loop():
     assert example_row(prepared) == 2  # not the loop, not the 10-token reply
     assert example_row(Prepared(input_ids=rows[:1], loss_mask=prepared.loss_mask[:1], conversations=[[]],
                                 categories=[None], n_train=1, n_val=0, eval_prompts=[])) == 0
+
+
+def test_stage_02_counts_looping_replies_and_drops_them_with_max_repeated_share(smollm2_dir):
+    """A reply stuck repeating itself is counted in the statistics (`looping_rows`) and trained on unless
+    data.max_repeated_share drops it; an ordinary reply stays either way."""
+    from transformers import AutoTokenizer
+
+    from eagle3lib.common.config import load_config
+    from eagle3lib.extract.prepare import _training_rows
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    loop = "the cat sat on the mat and " * 30
+    text = "Paris is the capital of France, and Lyon is its third largest city by population."
+    convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+             for q, a in (("Tell me a story.", loop), ("What is the capital of France?", text))]
+    pool = [{"category": "story"}, {"category": "geo"}]
+    for share, kept in ((None, ["story", "geo"]), (0.3, ["geo"])):
+        stats: dict = {}
+        d = load_config(None, ["data.max_length=512"] + ([f"data.max_repeated_share={share}"] if share else [])).data
+        ids, masks, convs_kept, cats = _training_rows(d, pool, convs, tok, stats)
+        assert cats == kept and len(ids) == len(masks) == len(convs_kept) == len(kept)
+        assert stats["looping_rows"] == {"over 0.3": 1, "over 0.5": 1}
+        assert stats["dropped_rows"] == 2 - len(kept)
