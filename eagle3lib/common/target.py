@@ -82,7 +82,7 @@ def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: in
             return f"its weights ({size / 1e9:.1f} GB) do not fit one device ({device_bytes / 1e9:.1f} GB)"
         return None
     return (f"transformers' AutoModelForCausalLM has no class for model_type {model_type!r}"
-            + (" without the checkpoint's own code (target.trust_remote_code is off)" if remote else
+            + (" without the checkpoint's own code (target.trust_remote_code is off: true runs that code)" if remote else
                " and the checkpoint's config names none (no auto_map entry)"))
 
 

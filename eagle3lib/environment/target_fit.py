@@ -52,9 +52,7 @@ def transformers_target_check(cfg: WorkbookConfig, model_dir: Path, gpu_bytes: i
                      else "not needed: every stage runs the target in vLLM or reads its states from disk")
     fixes = dict.fromkeys(VLLM_INSTEAD[use.split(":")[0]] for use in blocked)
     return Check("transformers target", "fail", f"{refusal}, but {', '.join(blocked)} load it there — fix: "
-                 f"{', '.join(fixes)} (configs/kimi-k2.5-shaped-1gpu.yaml runs every stage so)"
-                 + ("" if blocked is one_device else ", or set target.trust_remote_code where the checkpoint ships "
-                    "its own class"))
+                 f"{', '.join(fixes)} (configs/kimi-k2.5-shaped-1gpu.yaml runs every stage so)")
 
 
 # below this share of an engine's memory left after the weights, KV cache and activations are tight
