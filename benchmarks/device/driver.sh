@@ -149,9 +149,12 @@ has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 # the run gen_data and curve_online work on: $RUN at GEN_SCALE 1 (a config whose sources are already the data
 # wanted), else $RUN-x$GEN_SCALE
 gen_run() { if [ "${GEN_SCALE:-4}" = 1 ]; then echo "$RUN"; else echo "$RUN-x${GEN_SCALE:-4}"; fi; }
-# $CONFIG's target as a file name: embedded:qwen2.5-coder-1.5b -> qwen2.5-coder-1.5b, /models/My-8B -> My-8B
-target_name() { python3 -c "import sys; from pathlib import Path; from eagle3lib.common.config import load_config
-print(Path(load_config(sys.argv[1]).target.model.removeprefix('embedded:')).name)" "$CONFIG"; }
+# $CONFIG's target.model as written; target_name: it as a file name (embedded:qwen2.5-coder-1.5b ->
+# qwen2.5-coder-1.5b, /models/My-8B -> My-8B)
+target_model() { python3 -c "import sys; from eagle3lib.common.config import load_config
+print(load_config(sys.argv[1]).target.model)" "$CONFIG"; }
+target_name() { python3 -c "import sys; from pathlib import Path; print(Path(sys.argv[1].removeprefix('embedded:')).name)" \
+  "$(target_model)"; }
 # the target's committed replies cache (benchmarks/device/caches/<target>.tar.xz: every config's and run's replies
 # for that target, as gen_data or peers brought them back; the keys hold the prompt, the generation settings and the
 # model, never the run), put into outputs/$1/data unless that folder exists: stage 02 then generates only what the
@@ -456,8 +459,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # /tmp/kimi-shaped), then stages 00-06 of $CONFIG as $RUN -> $RES/kimi_shaped_$RUN.json (benchmarks/kimi_shaped.py:
       # stage seconds, the probe, vLLM's attention backend and MoE kernel, the served draft's tau and tokens/s)
       step "Kimi-K2.5-shaped checkpoint"
-      python3 scripts/kimi_shaped.py --out "$(python3 -c "import sys; from eagle3lib.common.config import load_config
-print(load_config(sys.argv[1]).target.model)" "$CONFIG")" > "$RES/kimi_build.log" 2>&1
+      python3 scripts/kimi_shaped.py --out "$(target_model)" > "$RES/kimi_build.log" 2>&1
       step "stages 00-06 of $RUN"; run_on 0 kimi --run "$RUN"
       python3 benchmarks/kimi_shaped.py --run-dir "outputs/$RUN" --log "$RES/kimi.log" --out "$RES/kimi_shaped_$RUN.json" \
         --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=kimi_shaped, $CONFIG" \
