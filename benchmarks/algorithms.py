@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,16 +73,57 @@ def arm(algorithm: str, results: dict[str, Any], trained: dict[str, Any]) -> dic
             "best_setting_by_concurrency": {c: b["setting"] for c, b in best.items()},
             "settings": [n for n, st in (serve.get("settings") or {}).items() if st.get("algorithm") == algorithm],
             "identical": f"{first.get('identical')}/{serve.get('prompts')}" if first else None,
-            "train_seconds": trained.get("train_seconds"), "train_tokens": trained.get("train_tokens"),
+            **training_figures(trained)}
+
+
+def training_figures(trained: dict[str, Any]) -> dict[str, Any]:
+    """A drafter's stage 05 figures (its draft/result.json entry) under the names the report gives them."""
+    return {"train_seconds": trained.get("train_seconds"), "train_tokens": trained.get("train_tokens"),
             "train_tokens_per_s": trained.get("tokens_per_s"), "draft_params": trained.get("draft_params"),
             "trainable_params": trained.get("trainable_params"), "positions": trained.get("positions"),
             "val_eal": trained.get("val_eal"), "val_eal_untrained": trained.get("val_eal_untrained"),
             "epochs": trained.get("epochs_done")}
 
 
+def served_so_far(run_dir: Path, algorithm: str, trained: dict[str, Any]) -> dict[str, Any]:
+    """A drafter's figures where stage 06 stopped before its results (a later server failed to start): what its
+    first setting's server measured, from eval/serve/partial.json (the cells stage 06 keeps for its resume), and a
+    speedup only at the levels where the target alone's server finished too."""
+    from eagle3lib.evaluate.keys import serve_row
+    from eagle3lib.evaluate.serve import AGAIN
+    from eagle3lib.evaluate.serve_asks import benchmark_rows
+
+    path = run_dir / "eval" / "serve" / "partial.json"
+    cells = {n: v["value"] for n, v in (json.loads(path.read_text())["methods"] if path.is_file() else {}).items()}
+    firsts = [n.removesuffix(" outputs") for n in cells if n.startswith(f"{algorithm} ") and n.endswith(" outputs")]
+    if not firsts:  # its server never finished a level: the first exception its log names
+        logs = sorted(path.parent.glob(f"{algorithm}_*.server.log"))
+        errors = re.findall(r"(?m)^(?:\(\w+ pid=\d+\) )?(?:ERROR [^]]*\] )?([\w.]*Error: .*)$",
+                            logs[0].read_text(errors="replace")) if logs else []  # a traceback's last line
+        return {"setting": None, "tau_by_benchmark": {}, "tokens_per_step": None, "speedup_by_concurrency": {},
+                "server_error": errors[0][:400] if errors else None, **training_figures(trained)}
+    first, row = firsts[0], serve_row(algorithm)
+
+    def by(prefix: str) -> dict[str, Any]:
+        return {n.removeprefix(prefix): v for n, v in cells.items() if n.startswith(prefix) and not n.endswith(AGAIN)}
+
+    levels, base = by(f"{first} c="), by("baseline c=")
+    acc = (levels.get("1") or next(iter(levels.values()), {})).get("acceptance") or {}
+    taus = {"heldout": acc.get("tau")}
+    for name, asked in by(f"{first} benchmark ").items():
+        taus[name] = benchmark_rows(asked, acc.get("k") or 1, {}, 0, row)["by_method"][row].get("tau")
+    return {"setting": first, "tau_by_benchmark": taus, "tokens_per_step": acc.get("tau"),
+            "per_position": acc.get("per_pos_rate") or [],
+            "output_tok_s_by_concurrency": {c: float(v["output_throughput"]) for c, v in levels.items()},
+            "speedup_by_concurrency": {c: round(float(v["output_throughput"]) / float(base[c]["output_throughput"]), 4)
+                                       for c, v in levels.items() if c in base},
+            **training_figures(trained)}
+
+
 def report(run_dir: Path, note: str) -> dict[str, Any]:
     """The JSON above, for the joined run `run_dir`. Training figures come from each drafter's own fork (where it
-    trained; the joined run only resumed it) when that fork is beside it."""
+    trained; the joined run only resumed it) when that fork is beside it. Where stage 06 stopped before its
+    results, each arm holds what its server measured before that (`served_so_far`)."""
     from eagle3lib.evaluate.report import read_manifests
     from eagle3lib.train.result import read_results
 
@@ -92,9 +134,15 @@ def report(run_dir: Path, note: str) -> dict[str, Any]:
     for algorithm in results.get("drafts") or {}:
         fork = run_dir.with_name(run_dir.name.removesuffix("-drafters") + f"-{algorithm}")
         trained = read_results(fork).get(algorithm) or joined.get(algorithm) or {}
-        arms[algorithm] = arm(algorithm, results, trained)
+        arms[algorithm] = arm(algorithm, results, trained) if serve else served_so_far(run_dir, algorithm, trained)
     stages = {m["stage"]: m.get("seconds") for m in read_manifests(run_dir).values()}
-    return {"note": note, "run": run_dir.name, "servers_alone": not serve.get("side_by_side"),
+    if serve:
+        alone = not serve.get("side_by_side")
+    else:  # the run's config.yaml: the resolved config of its latest stage, here the stage 06 that stopped
+        from eagle3lib.common.config import load_config
+
+        alone = load_config(run_dir / "config.yaml").evaluate.serve_side_by_side_kv_gib is None
+    return {"note": note, "run": run_dir.name, "servers_alone": alone, "stage_06_finished": bool(serve),
             "concurrency": serve.get("concurrency"), "requests": serve.get("requests"),
             "max_tokens": serve.get("max_tokens"), "prompts": serve.get("prompts"), "arms": arms,
             "verdict": (serve.get("verdict") or {}).get("line"),

@@ -127,6 +127,8 @@ run_on() { local gpu=$1 name=$2 t; shift 2; t=$(date +%s)
 # 420 s a variant: four engines started one after another did not finish in 240 s
 # (docs/gpu-host.md#what-each-step-takes)
 GEN_RECIPE='{"max_num_seqs": 2048, "compilation_config": {"max_cudagraph_capture_size": 2048}}'
+# the algorithms step's servers when ALG_GRID names none (a variable: a '}' inside ${VAR:-...} ends the expansion)
+ALG_GRID_DEFAULT='[{algorithm: eagle3, num_speculative_tokens: 3}, {algorithm: peagle, num_speculative_tokens: 5}, {algorithm: dflash}]'
 # shellcheck disable=SC2086 - ENGINES is a list of engine counts
 bench_generate() { CUDA_VISIBLE_DEVICES=$1 timeout 1300 python3 benchmarks/generate.py --config "$CONFIG" \
   --prompts 8192 --max-new-tokens 192 --temperatures 0.7 --variants "$GEN_RECIPE" --engines ${ENGINES:-1 2 4} \
@@ -436,7 +438,7 @@ print(resolve_model_path(load_config(sys.argv[1]).target))" "$CONFIG" > "$RES/co
       # shellcheck disable=SC2206 - ALG_PARAMS is a list of -p KEY=VALUE words
       ta=($ALG_PARAMS -p "train.epochs=${ALG_EPOCHS:-1}" -p "train.train_fraction=${ALG_TRAIN_FRACTION:-1}")
       ea=(-p "evaluate.serve_side_by_side_kv_gib=null" -p "evaluate.benchmark_prompts=${ALG_BENCH_PROMPTS:-40}"
-          -p "evaluate.serve_grid=${ALG_GRID:-[{algorithm: eagle3, num_speculative_tokens: 3}, {algorithm: peagle, num_speculative_tokens: 5}, {algorithm: dflash}]}")
+          -p "evaluate.serve_grid=${ALG_GRID:-$ALG_GRID_DEFAULT}")
       unpack_replies "$RUN"
       has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 alg_base --run "$RUN" --stages 00-04 $ALG_PARAMS; }
       step "stage 05 of each of $drafters on a fork of its own (side by side on GPU 0)"

@@ -125,20 +125,26 @@ def speculative_config(algorithm: str, checkpoint: str | Path, k: int) -> dict[s
 # vLLM's scheduler defaults on a GPU of >= 70 GiB (vllm/engine/arg_utils.py, the OpenAI server's usage context):
 # the tokens one step may schedule, and the requests it may hold
 VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS = 8192, 1024
+# The most rows of logits a drafter's server warms its rejection sampler on, max_num_seqs x (k + 1): what EAGLE-3 at
+# k = 3 runs with vLLM's defaults (1,024 x 4), which starts on one H100. vLLM's memory profile runs the plain sampler
+# only ("the sampler may skip top_k, top_p, and logprobs", vllm/v1/worker/gpu/model_runner.py `_dummy_sampler_run`),
+# so the KV cache takes what the warmup's larger clone then needs (docs/drafts.md#drafters)
+SAMPLER_ROWS = 4096
 
 
 def server_flags(spec: dict[str, Any]) -> list[str]:
     """`vllm serve` flags a drafter's server needs beside its speculative config: for the drafters that propose in
-    one forward, room in each step for their draft slots. Why: vLLM takes max_num_seqs x the drafter's extra slots
+    one forward, a batch that fits their k draft slots. Why: vLLM takes max_num_seqs x the drafter's extra slots
     (P-EAGLE k - 1, DFlash k: `max_num_new_slots_for_drafting`, vllm/config/speculative.py) from
-    max_num_batched_tokens for what a step may schedule, and refuses to start where that is not positive: DFlash at
-    k = 15 on one H100 with vLLM 0.26's defaults, "max_num_scheduled_tokens is set to -6144"
-    (docs/drafts.md#drafters). So its server gets vLLM's 8,192 plus k slots
-    for each of vLLM's 1,024 requests."""
+    max_num_batched_tokens and refuses to start where that is not positive (DFlash at k = 15: "max_num_scheduled_tokens
+    is set to -6144"), and its warmup's sampler holds max_num_seqs x (k + 1) rows of logits beyond vLLM's memory
+    profile (DFlash at k = 15 with 1,024 requests: 4.64 GiB, out of memory on one H100). So the server holds at most
+    SAMPLER_ROWS // (k + 1) requests, and vLLM's 8,192 tokens plus k slots for each (docs/drafts.md#drafters)."""
     if spec.get("method") != "dflash" and not spec.get("parallel_drafting"):
         return []
     k = int(spec["num_speculative_tokens"])
-    return ["--max-num-batched-tokens", str(VLLM_BATCHED_TOKENS + VLLM_MAX_SEQS * k)]
+    seqs = min(VLLM_MAX_SEQS, SAMPLER_ROWS // (k + 1))
+    return ["--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(VLLM_BATCHED_TOKENS + seqs * k)]
 
 
 def title(algorithm: str) -> str:

