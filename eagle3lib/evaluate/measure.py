@@ -229,9 +229,12 @@ def _offline_heldout(m: Measuring, continuations: list[list[int]] | None) -> Non
 
 
 def _vllm(m: Measuring) -> None:
+    from eagle3lib.extract.backends.vllm_engine import parallel_layout
+
     live = m.done.run("vllm", lambda: run_vllm(m.inp, m.prompts, m.k, m.cfg.max_new_tokens,
                                                m.stage.rd.path("eval", "vllm"), m.dname,
-                                               sweep=m.ks if m.cfg.vllm_sweep else None), m.results)
+                                               sweep=m.ks if m.cfg.vllm_sweep else None,
+                                               parallel=parallel_layout(m.stage.cfg)), m.results)
     m.results[VLLM] = {key: v for key, v in live.items() if key not in ("outputs", "baseline_outputs", "sweep")}
     m.results["by_method"][VLLM] = live["acceptance"]
     if m.cfg.vllm_sweep:
@@ -242,8 +245,11 @@ def _vllm(m: Measuring) -> None:
 
 
 def _ngram(m: Measuring) -> None:
+    from eagle3lib.extract.backends.vllm_engine import parallel_layout
+
     ng = m.done.run("ngram", lambda: run_ngram(m.inp, m.prompts, m.k, m.cfg.max_new_tokens,
-                                               m.stage.rd.path("eval", "vllm"), m.dname), m.results)
+                                               m.stage.rd.path("eval", "vllm"), m.dname,
+                                               parallel_layout(m.stage.cfg)), m.results)
     m.results["ngram"] = {key: v for key, v in ng.items() if key != "outputs"}
     m.results["by_method"][NGRAM] = ng["acceptance"]
     if "embedded_outputs" in m.results:

@@ -264,24 +264,26 @@ def count_identical(outputs: list[list[int]], others: list[list[int]]) -> int:
     return sum(int(a == b) for a, b in zip(outputs, others, strict=True))
 
 
-def vllm_job(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> dict[str, Any]:
+def vllm_job(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str,
+             parallel: dict[str, int] | None = None) -> dict[str, Any]:
     """What every vLLM run of the evaluation shares: target, prompts, length, dtype, and the engine settings the
-    target's family needs (`engine_args`, only when there are any: adapters.target_engine_kwargs)."""
+    target's family needs and its split over GPUs (`engine_args`, only when there are any:
+    adapters.target_engine_kwargs, vllm_engine.parallel_layout)."""
     from eagle3lib.extract.backends.adapters import target_engine_kwargs
 
     longest = max(len(p) for p in prompts) + max_new_tokens + 8
-    extra = target_engine_kwargs(model_dir, dtype)
+    extra = {**target_engine_kwargs(model_dir, dtype), **(parallel or {})}
     return {"target": str(model_dir), "prompt_token_ids": prompts, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "max_model_len": max(256, longest), **({"engine_args": extra} if extra else {})}
 
 
 def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
-              dtype: str) -> dict[str, Any]:
+              dtype: str, parallel: dict[str, int] | None = None) -> dict[str, Any]:
     """vLLM's n-gram prompt lookup with the same k on the same prompts: the draft-free baseline, so the report
     shows what the trained draft adds over copying from the context."""
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
-    job = {**vllm_job(inp.model_dir, prompts, max_new_tokens, dtype), "method": "ngram", "k": k}
+    job = {**vllm_job(inp.model_dir, prompts, max_new_tokens, dtype, parallel), "method": "ngram", "k": k}
     r = run_in_subprocess(job, workdir, f"ngram_k{k}", inp.cache_dir)
     return {"acceptance": with_tokens_per_step(Acceptance.from_dict(r["acceptance"]).to_dict(), r["outputs"]),
             "tokens_per_s": r["tokens_per_s"],
@@ -289,11 +291,11 @@ def run_ngram(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens:
 
 
 def run_vllm(inp: EvalInputs, prompts: list[list[int]], k: int, max_new_tokens: int, workdir: Path,
-             dtype: str, sweep: list[int] | None = None) -> dict[str, Any]:
+             dtype: str, sweep: list[int] | None = None, parallel: dict[str, int] | None = None) -> dict[str, Any]:
     """vLLM with and without the draft on the same prompts (child processes); counters, speed, identical outputs."""
     from eagle3lib.evaluate.vllm_child import run_in_subprocess
 
-    base_job = vllm_job(inp.model_dir, prompts, max_new_tokens, dtype)
+    base_job = vllm_job(inp.model_dir, prompts, max_new_tokens, dtype, parallel)
     base = run_in_subprocess({**base_job, "draft": None, "k": 0}, workdir, "baseline", inp.cache_dir)
     runs: dict[int, dict[str, Any]] = {}
     for kk in sorted(set([k] + list(sweep or []))):

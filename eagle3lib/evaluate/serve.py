@@ -219,6 +219,7 @@ class ServeSweep:
                  group_labels: list[str] | None) -> None:
         from eagle3lib.common.device import on_cpu
         from eagle3lib.common.target import tokenizer_dir
+        from eagle3lib.extract.backends.vllm_engine import engine_flags, parallel_layout
 
         self.cfg, self.inp, self.tok, self.prompts, self.workdir = cfg, inp, tok, prompts, workdir
         self.bench_items, self.group_labels, self.dname = bench_items, group_labels, dname
@@ -234,7 +235,7 @@ class ServeSweep:
         self.plans = plans = plan_servers(ecfg, inp.drafts)
         common = dict(target=inp.model_dir, tokenizer=tokenizer_dir(cfg.target, inp.model_dir),
                       k=ecfg.num_draft_tokens, dtype=dname, max_model_len=max_len, seed=cfg.run.seed, cpu=self.cpu,
-                      extra=list(ecfg.serve_args),
+                      extra=[*engine_flags(parallel_layout(cfg)), *ecfg.serve_args],
                       memory=side_by_side_memory(ecfg.serve_side_by_side_kv_gib, len(plans), self.cpu))
         self.drafts = [p for p in plans if p.role == "draft"]
         # each drafter's first setting: its server asks the benchmarks and gives the drafter's τ row

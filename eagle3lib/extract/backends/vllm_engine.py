@@ -39,6 +39,15 @@ def world_size(cfg: WorkbookConfig) -> int:
     return e.tensor_parallel_size * e.pipeline_parallel_size * e.data_parallel_size
 
 
+def parallel_layout(cfg: WorkbookConfig) -> dict[str, int]:
+    """How the target is split over GPUs (extract.tensor_parallel_size and pipeline_parallel_size), for every vLLM
+    engine of the run that loads it: stage 02's, stage 06's `vllm` and `ngram` jobs and its servers. Only the sizes
+    above vLLM's default of 1."""
+    e = cfg.extract
+    sizes = {"tensor_parallel_size": e.tensor_parallel_size, "pipeline_parallel_size": e.pipeline_parallel_size}
+    return {k: v for k, v in sizes.items() if v > 1}
+
+
 def prepare_environment(cfg: WorkbookConfig) -> None:
     """Environment vLLM reads at engine start: caches inside the run's folder, offline hub, in-process engine when
     one process is enough (engine start 3.6-5.5 s instead of 18-30 s on the CPU: docs/cpu.md#vllm-on-the-cpu), a small CPU KV cache."""
