@@ -30,8 +30,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # told apart from the box's own noise). Only the order of the run depends on this list (a stale entry costs minutes,
 # never a result).
 LONGEST_FIRST = ("e2e/test_pipeline.py", "unit/test_data.py", "unit/test_evaluate.py", "unit/test_vllm_backends.py",
-                 "unit/test_serve.py", "unit/test_vllm_deepseek.py", "e2e/test_qwen_target.py", "unit/test_foundation.py", "unit/test_capture.py",
-                 "unit/test_spool.py", "e2e/test_browser.py", "unit/test_benchmarks.py")
+                 "unit/test_serve_vllm.py", "unit/test_vllm_deepseek.py", "e2e/test_qwen_target.py",
+                 "unit/test_foundation.py", "unit/test_capture.py", "unit/test_spool.py", "e2e/test_browser.py",
+                 "unit/test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(config, items):
