@@ -29,10 +29,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # it paired the files that start vLLM servers and engine processes, which then fight for the 2 cores; one run, not
 # told apart from the box's own noise). Only the order of the run depends on this list (a stale entry costs minutes,
 # never a result).
-LONGEST_FIRST = ("e2e/test_pipeline.py", "unit/test_data.py", "unit/test_evaluate.py", "unit/test_vllm_backends.py",
-                 "unit/test_serve_vllm.py", "unit/test_vllm_deepseek.py", "e2e/test_qwen_target.py",
-                 "unit/test_foundation.py", "unit/test_capture.py", "unit/test_spool.py", "e2e/test_browser.py",
-                 "unit/test_benchmarks.py")
+LONGEST_FIRST = ("e2e/test_pipeline.py", "unit/test_data.py", "unit/test_generators.py", "unit/test_evaluate.py",
+                 "unit/test_vllm_backends.py", "unit/test_serve_vllm.py", "unit/test_vllm_deepseek.py",
+                 "e2e/test_qwen_target.py", "unit/test_foundation.py", "unit/test_capture.py", "unit/test_spool.py",
+                 "e2e/test_browser.py", "unit/test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,6 +65,15 @@ def smollm2_dir() -> Path:
     from eagle3lib.common.target import ensure_embedded_target
 
     return ensure_embedded_target()
+
+
+@pytest.fixture(scope="session")
+def smol_tok(smollm2_dir):
+    """SmolLM2's tokenizer, as every stage loads a target's (common.target.load_tokenizer)."""
+    from eagle3lib.common.config import load_config
+    from eagle3lib.common.target import load_tokenizer
+
+    return load_tokenizer(load_config(None).target, smollm2_dir)
 
 
 @pytest.fixture(scope="session")

