@@ -105,6 +105,15 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    """The tiny Llama loaded in transformers, fp32, for reference forwards."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
 @pytest.fixture
 def out_root(tmp_path) -> Path:
     """An output root for one test's runs (run.output_root)."""
