@@ -127,12 +127,12 @@ install)
 launch)
   free_gpus
   rm -rf "$RES" && mkdir -p "$RES"
-  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q DRAFTERS=%q ALG_EPOCHS=%q ALG_TRAIN_FRACTION=%q ALG_GRID=%q ALG_BENCH_PROMPTS=%q ALG_PARAMS=%q STEP_GRID=%q\n' \
+  printf 'CONFIG=%q RUN=%q STEPS=%q AB_PARAMS=%q EAGLE1_LAYER=%q CURVE=%q ARMS=%q MODES_SMALL=%q ENGINES=%q GEN_SCALE=%q GEN_ENGINES=%q VLLM_MODES=%q PEER_ARMS=%q PEER_GEN_ENGINES=%q PEER_SERVE_ARGS=%q GRAPH_GRID=%q DRAFTERS=%q ALG_EPOCHS=%q ALG_TRAIN_FRACTION=%q ALG_GRID=%q ALG_BENCH_PROMPTS=%q ALG_PARAMS=%q STEP_GRID=%q SVP_RUN=%q\n' \
     "$CONFIG" "$RUN" "$STEPS" "$AB_PARAMS" "${EAGLE1_LAYER:-29}" "${CURVE:-}" "${ARMS:-offline online spool}" \
     "${MODES_SMALL:-0}" "${ENGINES:-1 2 4}" "${GEN_SCALE:-4}" "${GEN_ENGINES:-4}" \
     "${VLLM_MODES:-vllm-prefill,vllm-native,vllm-worker}" "${PEER_ARMS:-speculators_cli}" \
     "${PEER_GEN_ENGINES:-2}" "${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" "${GRAPH_GRID:-2}" "${DRAFTERS:-eagle3 peagle dflash}" \
-    "${ALG_EPOCHS:-1}" "${ALG_TRAIN_FRACTION:-1}" "${ALG_GRID:-}" "${ALG_BENCH_PROMPTS:-40}" "${ALG_PARAMS:-}" "${STEP_GRID:-}" > "$RES/plan.env"
+    "${ALG_EPOCHS:-1}" "${ALG_TRAIN_FRACTION:-1}" "${ALG_GRID:-}" "${ALG_BENCH_PROMPTS:-40}" "${ALG_PARAMS:-}" "${STEP_GRID:-}" "${SVP_RUN:-}" > "$RES/plan.env"
   # the plan runs from a copy: bash reads a script as it goes, and each device call syncs the working tree again (an
   # edited driver.sh under a running plan ends it with a syntax error)
   cp benchmarks/device/driver.sh benchmarks/device/steps.sh "$RES"/

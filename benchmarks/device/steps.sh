@@ -56,6 +56,10 @@
 #   curve_online GPU 0: those committed caches unpacked, stages 00-02 and 04 of $RUN-x$GEN_SCALE online, then stages
 #                05 (one epoch, online) and 06 (embedded) on forks at each train.train_fraction of CURVE (default
 #                "1"), side by side when there are several
+#   serve_vs_plain GPU 0: a finished stage 06's serve figure at concurrency 1 (outputs/$SVP_RUN, default $RUN; after
+#                `algorithms`: SVP_RUN=$RUN-drafters) against two plain `vllm serve`s, with and without its EAGLE-3
+#                draft, each alone, driven one request after another at its max tokens and at 256
+#                -> $RES/serve_vs_plain_<run>.json (benchmarks/serve_vs_plain.py)
 #   kimi_shaped  GPU 0: scripts/kimi_shaped.py's Kimi-K2.5-shaped checkpoint, then stages 00-06 of $CONFIG
 #                (configs/kimi-k2.5-shaped-1gpu.yaml) as $RUN -> $RES/kimi_shaped_<run>.json (benchmarks/kimi_shaped.py);
 #                its tokenizer is SmolLM2's: bundle CONFIGS="configs/smollm2-h200.yaml configs/kimi-k2.5-shaped-1gpu.yaml"
@@ -279,6 +283,13 @@ run_step() {
     python3 benchmarks/algorithms.py report --run-dir "outputs/$RUN-drafters" --out "$RES/algorithms_$RUN.json" \
       --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=algorithms DRAFTERS='$drafters', $CONFIG ${ta[*]} ${ea[*]}; training side by side on one GPU, each server alone" \
       > "$RES/alg_report.log" 2>&1
+    ;;
+  serve_vs_plain)
+    step "stage 06's serve figure of ${SVP_RUN:-$RUN} against plain servers, each alone"
+    CUDA_VISIBLE_DEVICES=0 timeout 900 python3 benchmarks/serve_vs_plain.py --run-dir "outputs/${SVP_RUN:-$RUN}" \
+      --max-tokens 256 --out "$RES/serve_vs_plain_${SVP_RUN:-$RUN}.json" \
+      --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=serve_vs_plain SVP_RUN=${SVP_RUN:-$RUN}, $CONFIG" \
+      > "$RES/serve_vs_plain.log" 2>&1
     ;;
   kimi_shaped)
     # the Kimi-K2.5 path on GPU kernels: scripts/kimi_shaped.py's checkpoint (the kimi_k25 wrapper, MLA and MoE
