@@ -1,4 +1,4 @@
-"""Benchmark (not a test): the data-volume curve of one extraction (issues 21 and 26). What is the next doubling of
+"""Benchmark (not a test): the data-volume curve of one extraction. What is the next doubling of
 training data worth?
 
 `benchmarks/device/driver.sh STEPS=curve` (or by hand: `rundir.fork_run` + `eagle3 run --stages 05 -p

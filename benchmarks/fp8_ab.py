@@ -1,5 +1,5 @@
 """Benchmark (not a test): the same hidden states stored in bf16 and in FP8 (extract.fp8_shards), the same seed:
-does the draft learn the same? (issue 21, part 2)
+does the draft learn the same?
 
 Arm A is a finished run (stages 00-06, bf16 shards). Arm B is a fork of it (`rundir.fork_run`: stages 00-04 through
 hard links) whose stage 02 runs again with `-p extract.fp8_shards=true`: the generated replies come from the cache,

@@ -1,4 +1,4 @@
-"""Benchmark (not a test): offline vs online vs spool hidden states on ONE run's data (issue 21's GPU measurement).
+"""Benchmark (not a test): offline vs online vs spool hidden states on ONE run's data.
 
 `benchmarks/device/driver.sh STEPS=modes` makes the runs this reads, on one machine, one after the other:
   <run>           stages 00-04 offline (stage 02 extracts every row's states to disk once),

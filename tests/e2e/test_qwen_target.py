@@ -1,4 +1,4 @@
-"""The embedded Qwen2.5-Coder-0.5B target (issue 22): assembled from its six part packages and converted on the CPU,
+"""The embedded Qwen2.5-Coder-0.5B target: assembled from its six part packages and converted on the CPU,
 its shape in the environment table, a greedy code completion that makes sense, stages 02-05 on it, and the draft
 stage 05 trained running speculatively in vLLM with exactly the greedy output.
 
