@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,11 +96,13 @@ def served_so_far(run_dir: Path, algorithm: str, trained: dict[str, Any]) -> dic
     cells = {n: v["value"] for n, v in (json.loads(path.read_text())["methods"] if path.is_file() else {}).items()}
     firsts = [n.removesuffix(" outputs") for n in cells if n.startswith(f"{algorithm} ") and n.endswith(" outputs")]
     if not firsts:  # its server never finished a level: the first exception its log names
+        from eagle3lib.common.processes import ERROR_LINE
+
         logs = sorted(path.parent.glob(f"{algorithm}_*.server.log"))
-        errors = re.findall(r"(?m)^(?:\(\w+ pid=\d+\) )?(?:ERROR [^]]*\] )?([\w.]*Error: .*)$",
-                            logs[0].read_text(errors="replace")) if logs else []  # a traceback's last line
+        lines = [ln.strip() for ln in logs[0].read_text(errors="replace").splitlines()] if logs else []
+        error = next((ln[:400] for ln in lines if ERROR_LINE.search(ln)), None)
         return {"setting": None, "tau_by_benchmark": {}, "tokens_per_step": None, "speedup_by_concurrency": {},
-                "server_error": errors[0][:400] if errors else None, **training_figures(trained)}
+                "server_error": error, **training_figures(trained)}
     first, row = firsts[0], serve_row(algorithm)
 
     def by(prefix: str) -> dict[str, Any]:

@@ -25,7 +25,10 @@ from typing import Any
 from eagle3lib.common.config import REPO_ROOT
 
 LOG_TAIL_LINES = 12
-ERROR_LINE = re.compile(r"\b[\w.]*(Error|Exception)\b: ")  # an exception's last line, e.g. torch.OutOfMemoryError: ...
+# an exception's last line, e.g. torch.OutOfMemoryError: ..., also behind vLLM's "(EngineCore pid=N) " and an ERROR
+# record's header; a name inside other text (a vLLM warning that mentions "`OSError: [Errno 24] Too many open files`")
+# is not one
+ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:(?:ERROR|CRITICAL) [^]]*\] )?[\w.]*(Error|Exception)\b: ")
 CAUSES_SHOWN = 3
 
 

@@ -240,7 +240,8 @@ def test_disk_estimate_counts_known_lengths_and_warns_only_on_the_upper_bound(ou
 
 def test_a_childs_log_tail_shows_the_cause_logged_above_its_shutdown_lines(tmp_path):
     """A vLLM engine core logs its exception, then its frontend's EngineDeadError and a dozen shutdown lines (lines as
-    one engine of four logged them on an H100, 2026-12-05): the error quotes the cause, above the unchanged tail."""
+    one engine of four logged them on an H100, 2026-12-05): the error quotes the cause, above the unchanged tail, and
+    not a warning that only names an exception (as vLLM's API server logged one on an H100, 2026-12-06)."""
     from eagle3lib.common.processes import LOG_TAIL_LINES, log_tail
 
     cause = ("(EngineCore pid=4123) ERROR 12-05 23:52:31 [core.py:1332] torch.OutOfMemoryError: CUDA out of memory. "
@@ -248,8 +249,11 @@ def test_a_childs_log_tail_shows_the_cause_logged_above_its_shutdown_lines(tmp_p
     dead = ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for "
             "the root cause.")
     shutdown = [f"INFO 12-05 23:52:32 [core_client.py:66{i}] [shutdown] MPClient: step {i}" for i in range(20)]
-    lines = ["INFO loading", "Traceback (most recent call last):", cause, cause, "Traceback (most recent call last):",
-             dead, *shutdown]
+    warning = ("(APIServer pid=8826) WARNING 12-06 23:57:58 [system_utils.py:299] Found ulimit of 20000 and failed to "
+               "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors "
+               "like `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n")
+    lines = ["INFO loading", warning, "Traceback (most recent call last):", cause, cause,
+             "Traceback (most recent call last):", dead, *shutdown]
     log = tmp_path / "gen_engine_2.log"
     log.write_text("\n".join(lines) + "\n")
     text = log_tail(log)
