@@ -6,7 +6,7 @@ setting of `evaluate.serve_grid` with that draft (`--speculative-config` with vL
 eagle3lib.common.drafters.speculative_config, and the setting's keys: k, the drafter's options, async scheduling), and once
 without: one after another, or all at once side by side on the
 same GPUs (`evaluate.serve_side_by_side_kv_gib`: the stage waits for the slowest start instead of their sum;
-`all_up`), then measured a level at a time, each server in turn, the target alone at both ends (`level_rounds`); at
+`server.all_up`), then measured a level at a time, each server in turn, the target alone at both ends (`level_rounds`); at
 each level of `evaluate.serve_concurrency` vLLM's own load generator (`vllm bench serve`, `bench_worker`) streams the
 held-out prompts (rendered with the chat template, greedy) at that many requests in flight and reports TTFT, TPOT,
 ITL and end-to-end percentiles and output tokens/s; the server's spec-decode counters are read from /metrics around
@@ -37,13 +37,11 @@ it): it keeps its finished levels itself, and its table deserves its own noteboo
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import shlex
 import time
-from collections.abc import Iterator
 from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
@@ -316,19 +314,34 @@ class ServeSweep:
                 if self.ecfg.serve_side_by_side_kv_gib is not None:
                     self._side_by_side()
                 else:
-                    for plan in self.live:
-                        self.bar.set_postfix(server=f"{plan.id} starting")
-                        with self.server_of(plan) as server:
-                            self.prepare(plan, server)
-                            for c in self.todo[plan.id]:
-                                self.level(plan, server, c)
-                            self.finish(plan, server)
+                    self._one_after_another()
         finally:
             self.bar.close()
             if self.worker is not None:
                 self.worker.close()
 
+    def _one_after_another(self) -> None:
+        """Each server alone, in turn. A server that fails does not stop the others: the target alone's (started
+        last) still measures the levels every speedup is divided by, and partial.json keeps it; then the first
+        failure is raised, so a rerun after the fix measures only the failed server."""
+        failed: list[WorkbookError] = []
+        for plan in self.live:
+            self.bar.set_postfix(server=f"{plan.id} starting")
+            try:
+                with self.server_of(plan) as server:
+                    self.prepare(plan, server)
+                    for c in self.todo[plan.id]:
+                        self.level(plan, server, c)
+                    self.finish(plan, server)
+            except WorkbookError as e:
+                log.error("serve: %s failed; the other servers go on (%s)", plan.id, e.problem.split("\n")[0])
+                failed.append(e)
+        if failed:
+            raise failed[0]
+
     def _side_by_side(self) -> None:
+        from eagle3lib.evaluate.server import all_up
+
         with all_up(self.live, self.server_of, self.bar) as servers:
             for plan in self.live:
                 self.prepare(plan, servers[plan.id])
@@ -384,25 +397,6 @@ class ServeSweep:
                 add_benchmark_rows(out, {name: benchmark_rows(asked, p.k, self.inp.benchmark_info.get(name, {}),
                                                               len(items), row)})
         return out
-
-
-@contextlib.contextmanager
-def all_up(plans: list[ServerPlan], server_of: Any, bar: Any) -> Iterator[dict[str, Any]]:
-    """The sweep's servers side by side (evaluate.serve_side_by_side_kv_gib): all started at once and waited for
-    together (the first to fail stops them all), by plan id; every one stopped on the way out (done, an error or an
-    interrupt)."""
-    from eagle3lib.evaluate.server import wait_all_ready
-
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for plan in plans:
-            server = server_of(plan)
-            stack.callback(server.stop)
-            server.start()
-            servers[plan.id] = server
-        bar.set_postfix(server=f"{len(servers)} starting side by side")
-        wait_all_ready(list(servers.values()))
-        yield servers
 
 
 def baseline_drift(store: FinishedMethods, levels: list[int]) -> dict[str, Any]:

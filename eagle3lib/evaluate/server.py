@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,20 @@ def wait_all_ready(servers: list[VllmServer], poll_s: float = 0.5) -> None:
     stops them all)."""
     while not all([s.ready() for s in servers]):  # a list: every server is checked on every pass
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def all_up(plans: list[Any], server_of: Any, bar: Any) -> Iterator[dict[str, Any]]:
+    """The sweep's servers side by side (evaluate.serve_side_by_side_kv_gib): all started at once and waited for
+    together (the first to fail stops them all), by plan id; every one stopped on the way out (done, an error or an
+    interrupt)."""
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for plan in plans:
+            server = server_of(plan)
+            stack.callback(server.stop)
+            server.start()
+            servers[plan.id] = server
+        bar.set_postfix(server=f"{len(servers)} starting side by side")
+        wait_all_ready(list(servers.values()))
+        yield servers

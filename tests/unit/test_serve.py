@@ -87,8 +87,8 @@ def test_a_server_that_dies_mid_sweep_fails_with_its_log_and_leaves_nothing(tmp_
 def test_servers_side_by_side_all_stop_when_one_fails_to_start(tmp_path):
     """Servers started side by side (evaluate.serve_side_by_side_kv_gib): one answers /health, the other exits
     before it is ready. The error names the one that failed, with its log, and the healthy one is stopped too."""
-    from eagle3lib.evaluate.serve import all_up
     from eagle3lib.evaluate.serve_plan import ServerPlan
+    from eagle3lib.evaluate.server import all_up
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     healthy = _stand_in(tmp_path / "a", """
