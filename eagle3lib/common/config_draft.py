@@ -13,6 +13,14 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from eagle3lib.common.config_base import BENCHMARK_KINDS, Section, benchmark_name
 from eagle3lib.common.drafters import ALGORITHMS, Algorithm
 
+# TrainSection fields a drafter may set for itself (train.drafter_settings): what speculators builds and trains the
+# draft with. The rest are run-wide: the data, where the states come from, the processes and the loader.
+DRAFTER_KEYS = ("num_layers", "ttt_steps", "ttt_step_loss_decay", "num_depths", "block_size", "max_anchors",
+                "mask_token_id", "loss", "norm_before_fc", "fc_norm", "norm_output", "norm_before_residual",
+                "embed_requires_grad", "lr", "weight_decay", "muon_lr", "muon_momentum", "muon_weight_decay",
+                "muon_ns_steps", "muon_adjust_lr_fn", "scheduler", "warmup_steps", "warmup_ratio", "epochs",
+                "max_steps")
+
 
 class TrainSection(Section):
     """Stage 05. The draft's shape, loss, optimizer and schedule are speculators 0.9's own options (the same names as
@@ -131,6 +139,12 @@ class TrainSection(Section):
         1, description="Training processes (GPUs) on this host: > 1 makes notebook 05 launch "
         "`torchrun --nproc-per-node N -m eagle3lib.train` (speculators' DDP)."
     )
+    drafter_settings: dict[Algorithm, dict[str, Any]] = Field(
+        default_factory=dict, description="Settings of this section for one drafter only, over the section's own "
+        "values, so drafters trained from the same states each get their own recipe, e.g. {peagle: {num_layers: 4, "
+        "max_anchors: 8192}, dflash: {max_anchors: 3072}}. Keys: the draft's shape, loss, optimizer and schedule "
+        f"({', '.join(DRAFTER_KEYS)}); a drafter's checkpoints are checked against its own settings only "
+        "(docs/drafts.md#one-recipe-per-drafter).")
 
     @field_validator("algorithms", mode="before")
     @classmethod
@@ -144,6 +158,30 @@ class TrainSection(Section):
         if not v or len(set(v)) < len(v):
             raise ValueError("needs one or more distinct drafters, e.g. [eagle3, dflash]")
         return v
+
+    @field_validator("drafter_settings")
+    @classmethod
+    def _drafter_keys(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for algorithm, settings in v.items():
+            if wrong := sorted(set(settings) - set(DRAFTER_KEYS)):
+                raise ValueError(f"{algorithm}: {', '.join(wrong)} cannot be set per drafter (run-wide, or not a "
+                                 f"train field); per drafter: {', '.join(DRAFTER_KEYS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _drafter_settings_valid(self) -> TrainSection:
+        for algorithm in self.drafter_settings:
+            self.for_drafter(algorithm)  # each drafter's own values pass this section's checks
+        return self
+
+    def for_drafter(self, algorithm: str) -> TrainSection:
+        """This section as `algorithm` trains with it: its drafter_settings over the shared values (and none left,
+        so what its checkpoints are checked against holds its own settings only)."""
+        own = self.drafter_settings.get(algorithm)  # type: ignore[call-overload]
+        if not own and not self.drafter_settings:
+            return self
+        dumped = {**self.model_dump(exclude={"drafter_settings"}), **(own or {})}
+        return TrainSection.model_validate(dumped)
 
     @field_validator("spool_bytes", mode="before")
     @classmethod

@@ -219,6 +219,8 @@ def training_lines(rd: RunDir, m05: dict[str, Any]) -> list[str]:
         lines = curves_summary(rd.root / curves if curves and not Path(curves).is_absolute() else Path(curves or ""))
         out += [f"- **{title(algorithm)}**:", *(f"  {line}" for line in lines)] if len(algorithms) > 1 else lines
     out += optimizer_summary(metrics.get("resolved") or {}, rd.cfg.train)
+    out += [f"- {title(a)} over those (train.drafter_settings): " + ", ".join(f"{k} {v}" for k, v in own.items())
+            for a, own in rd.cfg.train.drafter_settings.items() if a in algorithms and own]
     names = list(dict.fromkeys(k for a in algorithms for k in metrics.get(a) or {}))
     if names:
         out += ["", _table(["metric", *(title(a) for a in algorithms)],

@@ -54,7 +54,7 @@ def prepare_checkpoint_dir(save_path: Path, tcfg: TrainSection, draft_vocab_size
                 removed.append(d.name)
                 if is_rank0():
                     shutil.rmtree(d)
-    skip = RESUMABLE_CHANGES | {"algorithms"} | drafters.foreign_fields(algorithm)
+    skip = RESUMABLE_CHANGES | {"algorithms", "drafter_settings"} | drafters.foreign_fields(algorithm)
     recipe = {k: v for k, v in tcfg.model_dump(mode="json").items() if k not in skip}
     recipe.update(draft_vocab_size=draft_vocab_size, algorithm=algorithm)
     recipe_path = save_path / "workbook_recipe.json"

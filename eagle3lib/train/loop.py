@@ -112,7 +112,7 @@ def _train(rd: RunDir, algorithm: str, res: Resolved, patched: bool, inp: TrainI
     from speculators.train.trainer import Trainer
 
     cfg: WorkbookConfig = rd.cfg
-    tcfg = cfg.train
+    tcfg = cfg.train.for_drafter(algorithm)  # its own train.drafter_settings over the shared ones
     mark = time.perf_counter()
 
     def lap(name: str) -> None:

@@ -6,6 +6,7 @@ with a verdict that picks among them; the config and plan rules around them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,8 @@ def test_each_drafter_learns_reloads_and_is_read_as_vllms_method_for_it(out_root
     from conftest import make_tiny_run
 
     cfg, rd = make_tiny_run(out_root, tiny_llama_dir, n_train=24, overrides=(
-        f"train.algorithms=[{', '.join(DRAFTERS)}]", "train.epochs=4", "train.mask_token_id=0", *SMALL))
+        f"train.algorithms=[{', '.join(DRAFTERS)}]", "train.epochs=4", "train.mask_token_id=0", *SMALL,
+        "train.drafter_settings={peagle: {num_layers: 2}}"))
     _stage04(cfg, rd)
     stage = StageRun(get_stage("05"), cfg, rd)
     result = train.run(stage, progress=False)
@@ -51,6 +53,9 @@ def test_each_drafter_learns_reloads_and_is_read_as_vllms_method_for_it(out_root
         assert train.check_vllm_config(r["checkpoint"], **{**check, "draft_tokens": 4})  # the check can fail
         assert type(train.reload_checkpoint(r["checkpoint"])).__name__ == classes[algorithm]
         assert rd.figure_path("05", f"curves_{algorithm}").stat().st_size > 10_000
+    layers = {a: json.loads(Path(r["checkpoint"], "config.json").read_text())["transformer_layer_config"][
+        "num_hidden_layers"] for a, r in result.trained.items()}
+    assert layers == {"eagle3": 1, "peagle": 2, "dflash": 1}  # P-EAGLE's own num_layers (train.drafter_settings)
     views = {a: train.vllm_view(r["checkpoint"])["speculative"] for a, r in result.trained.items()}
     assert views["peagle"] == {"method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}
     assert views["dflash"] == {"method": "dflash", "num_speculative_tokens": 3}
@@ -63,6 +68,13 @@ def test_each_drafter_learns_reloads_and_is_read_as_vllms_method_for_it(out_root
     with pytest.raises(WorkbookError, match="block_size changed"):
         train.prepare_checkpoint_dir(rd.path("draft", "dflash", "checkpoints"), changed.train, 256, "dflash")
     assert train.prepare_checkpoint_dir(rd.path("draft", "eagle3", "checkpoints"), changed.train, 256, "eagle3") == []
+    # so is a setting of its own in train.drafter_settings
+    own = cfg.train.model_copy(update={"drafter_settings": {"peagle": {"num_layers": 3}}})
+    with pytest.raises(WorkbookError, match="num_layers changed"):
+        train.prepare_checkpoint_dir(rd.path("draft", "peagle", "checkpoints"), own.for_drafter("peagle"), 256,
+                                     "peagle")
+    assert train.prepare_checkpoint_dir(rd.path("draft", "dflash", "checkpoints"), own.for_drafter("dflash"), 256,
+                                        "dflash") == []
 
     # a rerun with one drafter more resumes the finished ones (no step trained) and their counts carry over
     again = RunDir(rd.root, cfg)
@@ -76,6 +88,13 @@ def test_drafters_config_and_serving_rules():
     from eagle3lib.evaluate.measure import methods_for
 
     assert load_config(None, ["train.algorithm=dflash"]).train.algorithms == ["dflash"]
+    own = load_config(None, ["train.drafter_settings={dflash: {max_anchors: 3072, lr: 6e-4}}"]).train
+    assert (own.for_drafter("dflash").max_anchors, own.for_drafter("dflash").lr) == (3072, 6e-4)
+    assert (own.for_drafter("eagle3").max_anchors, own.for_drafter("eagle3").lr) == (512, 1e-3)
+    with pytest.raises(WorkbookError, match="hidden_states cannot be set per drafter"):
+        load_config(None, ["train.drafter_settings={peagle: {hidden_states: online}}"])
+    with pytest.raises(WorkbookError, match="max_anchors"):  # each drafter's values pass the section's own checks
+        load_config(None, ["train.drafter_settings={dflash: {max_anchors: 0}}"])
     assert load_config(None, []).train.algorithms == ["eagle3"]
     with pytest.raises(WorkbookError, match="distinct drafters"):
         load_config(None, ["train.algorithms=[eagle3, eagle3]"])
