@@ -174,7 +174,8 @@ def _train(rd: RunDir, algorithm: str, res: Resolved, patched: bool, inp: TrainI
                       draft_params=checkpoint_params(final),
                       trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                       optimizers=[type(opt).__name__ for opt in trainer.optimizers],
-                      train_rows=len(train_loader.dataset), train_tokens=tokens)
+                      train_rows=len(train_loader.dataset), train_tokens=tokens,
+                      drafter_settings=cfg.train.drafter_settings.get(algorithm, {}))
         lap("finalize")
         result.update(phase_seconds={k: round(v, 2) for k, v in phases.items()},
                       **_state_source_figures(transfer, spool, tcfg))

@@ -56,6 +56,7 @@ def test_each_drafter_learns_reloads_and_is_read_as_vllms_method_for_it(out_root
     layers = {a: json.loads(Path(r["checkpoint"], "config.json").read_text())["transformer_layer_config"][
         "num_hidden_layers"] for a, r in result.trained.items()}
     assert layers == {"eagle3": 1, "peagle": 2, "dflash": 1}  # P-EAGLE's own num_layers (train.drafter_settings)
+    assert result.trained["peagle"]["drafter_settings"] == {"num_layers": 2}
     views = {a: train.vllm_view(r["checkpoint"])["speculative"] for a, r in result.trained.items()}
     assert views["peagle"] == {"method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True}
     assert views["dflash"] == {"method": "dflash", "num_speculative_tokens": 3}
