@@ -258,7 +258,8 @@ run_step() {
     ;;
   algorithms)
     # EAGLE-3, P-EAGLE and DFlash from the same states (benchmarks/algorithms.py): stages 00-04 of $RUN (its
-    # committed replies), each drafter of DRAFTERS trained on a fork of its own side by side on GPU 0 (ALG_EPOCHS,
+    # committed replies), each drafter of DRAFTERS trained on a fork of its own side by side on GPU 0, each with its
+    # own train.drafter_settings from $CONFIG (ALG_EPOCHS,
     # default 1, over ALG_TRAIN_FRACTION of the training rows, default all), then $RUN-drafters (`algorithms.py join`: every drafter's finished checkpoints) through stages 05
     # (each resumed: nothing left to train) and 06 with every server alone, one after another (ALG_GRID: the
     # drafters' serve settings; ALG_BENCH_PROMPTS questions per benchmark) -> $RES/algorithms_$RUN.json
