@@ -177,11 +177,10 @@ class TrainSection(Section):
     def for_drafter(self, algorithm: str) -> TrainSection:
         """This section as `algorithm` trains with it: its drafter_settings over the shared values (and none left,
         so what its checkpoints are checked against holds its own settings only)."""
-        own = self.drafter_settings.get(algorithm)  # type: ignore[call-overload]
-        if not own and not self.drafter_settings:
+        if not self.drafter_settings:
             return self
-        dumped = {**self.model_dump(exclude={"drafter_settings"}), **(own or {})}
-        return TrainSection.model_validate(dumped)
+        own = self.drafter_settings.get(algorithm) or {}  # type: ignore[call-overload]
+        return TrainSection.model_validate({**self.model_dump(exclude={"drafter_settings"}), **own})
 
     @field_validator("spool_bytes", mode="before")
     @classmethod
