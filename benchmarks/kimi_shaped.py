@@ -62,8 +62,10 @@ def report(run_dir: Path, log: str, note: str) -> dict[str, Any]:
 
 
 def multiprocess_capture(fork: Path, parent: Path) -> dict[str, Any]:
-    """Stage 02 of the fork through vLLM's multiprocess executor: its seconds and whether its probe passed. A file
-    still hard-linked to the parent's (fork_run) was not written by the fork: its stage 02 did not finish."""
+    """Stage 02 of the fork through vLLM's multiprocess executor: the executor its config asked for, the rows it
+    captured (all of them: the driver removes the fork's shards first), its seconds and whether its probe passed. A
+    file still hard-linked to the parent's (fork_run) was not written by the fork: its stage 02 did not finish."""
+    from eagle3lib.common.config import load_config
     from eagle3lib.common.rundir import manifest_file
     from eagle3lib.common.stages import get_stage
 
@@ -74,7 +76,10 @@ def multiprocess_capture(fork: Path, parent: Path) -> dict[str, Any]:
         return json.loads(mine.read_text())
 
     stage = own(manifest_file(fork, get_stage("02")).relative_to(fork))
-    return {"executor": "mp", "finished": bool(stage), "stage_02_seconds": stage.get("seconds"),
+    extract = (stage.get("metrics") or {}).get("extract") or {}
+    return {"executor": (load_config(fork / "config.yaml").extract.vllm_args or {}).get("distributed_executor_backend"),
+            "finished": bool(stage), "computed_shards": extract.get("computed_shards"),
+            "capture_seconds": extract.get("capture_seconds"), "stage_02_seconds": stage.get("seconds"),
             "probe_passed": own(Path("capture_probe.json")).get("passed")}
 
 

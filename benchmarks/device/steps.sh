@@ -150,9 +150,10 @@ run_step() {
       --out "$RES/generate_multiturn_$RUN.json" > "$RES/generate_multi.log" 2>&1
     ;;
   serve_graphs)
-    # stage 06's serve step on a random draft of $CONFIG's target, servers side by side, a level at a time: a
-    # speculating server's step time by requests in flight with stage 06's CUDA graph sizes and with vLLM's
-    # defaults (benchmarks/serve_graphs.py; GRAPH_GRID: draft tokens per server, default 2, the k the sizes fix)
+    # stage 06's serve step on a random draft of $CONFIG's target, servers as $CONFIG has them (the GPU configs:
+    # alone, one after another), a level at a time: a speculating server's step time by requests in flight with
+    # stage 06's CUDA graph sizes and with vLLM's defaults (benchmarks/serve_graphs.py; GRAPH_GRID: draft tokens per
+    # server, default 2, the k the sizes fix)
     step "a random draft's servers: graph sizes against vLLM's defaults"
     # shellcheck disable=SC2086 - GRAPH_GRID is a list of k
     CUDA_VISIBLE_DEVICES=0 timeout 1200 python3 benchmarks/serve_graphs.py --config "$CONFIG" --run "$RUN-graphs" \
@@ -203,11 +204,11 @@ run_step() {
     # what was written), then the workbook's stage 05 and each arm of PEER_ARMS (default speculators_cli) on its
     # fork, side by side on GPU 0, then stage 06 of every arm side by side: k = 3 alone, at
     # concurrency 1, each server in a fixed share of the GPU (an arm's two servers, the draft's and the baseline's,
-    # start together as the config's evaluate.serve_side_by_side_kv_gib has them; those of up to four arms at
+    # start together, evaluate.serve_side_by_side_kv_gib=8 (the GPU configs serve alone); those of up to four arms at
     # once; tau does not depend on what else runs, the speedups do: they are then under that sharing) -> $RES/peers_$RUN.json
     # (+ .md, .png)
     pe=(-p "evaluate.serve_concurrency=[1]" -p "evaluate.serve_grid=[{num_speculative_tokens: 3}]"
-        -p "evaluate.serve_args=${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}")
+        -p "evaluate.serve_args=${PEER_SERVE_ARGS:-$PEER_SERVE_GPU}" -p "evaluate.serve_side_by_side_kv_gib=8")
     pg=(-p "data.gen_engines=${PEER_GEN_ENGINES:-2}")
     arms=${PEER_ARMS:-speculators_cli}
     unpack_replies "$RUN"
@@ -305,6 +306,8 @@ run_step() {
     # (docs/capture.md#one-gpu-through-the-multi-gpu-path): the capture worker and its probe behind vLLM's RPC
     step "stage 02 of $RUN-mp: the capture through vLLM's multiprocess executor"
     fork "$RUN" "$RUN-mp"
+    # without the parent's shards and probe (hard links: the parent keeps them), so that every row is captured again
+    rm -rf "outputs/$RUN-mp/dataset/hidden_states" "outputs/$RUN-mp/capture_probe.json"
     run_on 0 kimi_mp --run "$RUN-mp" --stages 02 -p "extract.vllm_args={distributed_executor_backend: mp}"
     python3 benchmarks/kimi_shaped.py --run-dir "outputs/$RUN" --log "$RES/kimi.log" --out "$RES/kimi_shaped_$RUN.json" \
       --mp-run-dir "outputs/$RUN-mp" \

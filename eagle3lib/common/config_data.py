@@ -166,6 +166,13 @@ class DataSection(Section):
         return self
 
 
+# vllm.LLM arguments extract.vllm_args may not set: each has its own extract field (the parallel sizes, which also
+# decide the engine's process layout; the memory share; the length), or the capture needs it as it is (hooks fire
+# only eagerly; a prefix-cached token has no forward, so no states)
+VLLM_OWN_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "gpu_memory_utilization",
+                 "max_model_len", "enforce_eager", "enable_prefix_caching")
+
+
 class ExtractSection(Section):
     backend: Literal["transformers", "vllm"] = Field("transformers", description="Who runs the target forward.")
     strategy: Literal["native", "worker"] = Field(
@@ -192,10 +199,11 @@ class ExtractSection(Section):
         "seconds on the CPU). None = yes when TP x PP x DP is 1."
     )
     vllm_args: dict[str, Any] = Field(
-        default_factory=dict, description="vLLM: extra vllm.LLM arguments for every engine of stage 02 (the "
-        "generator's and the capture's) over the workbook's own, e.g. {distributed_executor_backend: mp}: at tensor "
-        "parallel 1 the worker process and RPC that tensor parallel > 1 takes (docs/capture.md#one-gpu-through-the-"
-        "multi-gpu-path). data.gen_vllm_args still wins for the generator.")
+        default_factory=dict, description="vLLM: extra vllm.LLM arguments for the engines that run the target over "
+        "the workbook's own (the capture's, the spool producer's and the generator's, for which data.gen_vllm_args "
+        "comes after), e.g. {distributed_executor_backend: mp}: at tensor parallel 1 the worker process and RPC "
+        "that tensor parallel > 1 takes (docs/capture.md#one-gpu-through-the-multi-gpu-path). Not the arguments "
+        "with a field of their own here or that the capture needs as they are (VLLM_OWN_ARGS).")
     vllm_cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu: KV cache size (VLLM_CPU_KVCACHE_SPACE) "
                                        "when the environment does not set it.")
     vllm_endpoint: str | None = Field(
@@ -225,6 +233,14 @@ class ExtractSection(Section):
         "rows (the first train rows and the first validation rows, in proportion to the split) so that stage 03 "
         "validates and plots real states and stage 06's offline method has rows to simulate "
         "(docs/capture.md#online-hidden-states).")
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _not_own_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if own := sorted(set(v) & set(VLLM_OWN_ARGS)):
+            raise ValueError(f"{', '.join(own)}: set by the workbook (its extract field of the same name, or what the "
+                             "capture needs); leave it out of extract.vllm_args")
+        return v
 
 
 class InspectSection(Section):

@@ -142,7 +142,7 @@ class TrainSection(Section):
     drafter_settings: dict[Algorithm, dict[str, Any]] = Field(
         default_factory=dict, description="Settings of this section for one drafter only, over the section's own "
         "values, so drafters trained from the same states each get their own recipe, e.g. {peagle: {num_layers: 4, "
-        "max_anchors: 8192}, dflash: {max_anchors: 3072}}. Keys: the draft's shape, loss, optimizer and schedule "
+        "max_anchors: 8192}, dflash: {max_anchors: 3072}}. Keys: the draft's shape, loss, learning rates and schedule "
         f"({', '.join(DRAFTER_KEYS)}); a drafter's checkpoints are checked against its own settings only "
         "(docs/drafts.md#one-recipe-per-drafter).")
 
@@ -170,8 +170,17 @@ class TrainSection(Section):
 
     @model_validator(mode="after")
     def _drafter_settings_valid(self) -> TrainSection:
-        for algorithm in self.drafter_settings:
-            self.for_drafter(algorithm)  # each drafter's own values pass this section's checks
+        """Each drafter's own values pass this section's checks, and are kept as they were read (YAML's `6e-4` is a
+        string until then)."""
+        from pydantic import ValidationError
+
+        for algorithm, own in self.drafter_settings.items():
+            try:
+                mine = self.for_drafter(algorithm)
+            except ValidationError as e:
+                wrong = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+                raise ValueError(f"train.drafter_settings.{algorithm}: {wrong}") from None
+            self.drafter_settings[algorithm] = {k: getattr(mine, k) for k in own}  # type: ignore[index]
         return self
 
     def for_drafter(self, algorithm: str) -> TrainSection:

@@ -77,6 +77,7 @@ from eagle3lib.evaluate.serve_plan import (
     requests_at,
     serve_args,
     side_by_side_memory,
+    write_prompts,
 )
 from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, recommend, verdict
 
@@ -99,19 +100,6 @@ def level_summary(raw: dict[str, Any]) -> dict[str, Any]:
         out[f"{m}_ms"] = {"mean": raw.get(f"mean_{m}_ms"),
                           **{f"p{p}": raw.get(f"p{p}_{m}_ms") for p in PERCENTILES}}
     return out
-
-
-def write_prompts(tok: Any, prompts: list[list[int]], path: Path) -> int:
-    """The held-out prompts as `vllm bench serve`'s custom dataset (one {"prompt": text} per line): each prompt's
-    token ids decoded back to the chat-template text. Returns how many re-encode to exactly their ids (all, for a
-    byte-level BPE tokenizer; a prompt that does not is still sent, and the report says how many)."""
-    lines, exact = [], 0
-    for ids in prompts:
-        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        exact += int(list(tok(text, add_special_tokens=False)["input_ids"]) == list(ids))
-        lines.append(json.dumps({"prompt": text}) + "\n")
-    atomic.write_text(path, "".join(lines))
-    return exact
 
 
 def command_record(server: Any) -> dict[str, Any]:
@@ -302,15 +290,13 @@ class ServeSweep:
         from tqdm.auto import tqdm
 
         from eagle3lib.common.processes import interrupt_on_sigterm
-        from eagle3lib.evaluate.bench_worker import BenchWorker
-        from eagle3lib.evaluate.server import server_environment
 
         self.bar = tqdm(total=sum(len(t) for t in self.todo.values()), desc="serve", unit="level",
                         disable=not progress)
         try:
             with interrupt_on_sigterm():
                 if self.live:  # vLLM's benchmark imports in a process of its own while the servers start
-                    self.worker = BenchWorker(self.workdir, server_environment(self.inp.cache_dir))
+                    self._new_worker()
                 if self.ecfg.serve_side_by_side_kv_gib is not None:
                     self._side_by_side()
                 else:
@@ -323,8 +309,10 @@ class ServeSweep:
     def _one_after_another(self) -> None:
         """Each server alone, in turn. A server that fails does not stop the others: the target alone's (started
         last) still measures the levels every speedup is divided by, and partial.json keeps it; then the first
-        failure is raised, so a rerun after the fix measures only the failed server."""
+        failure is raised, so a rerun after the fix measures only the failed server. Two failures in a row stop
+        the sweep at once (a cause they share, e.g. evaluate.serve_args, would fail every server in turn)."""
         failed: list[WorkbookError] = []
+        last_failed = False
         for plan in self.live:
             self.bar.set_postfix(server=f"{plan.id} starting")
             try:
@@ -333,11 +321,25 @@ class ServeSweep:
                     for c in self.todo[plan.id]:
                         self.level(plan, server, c)
                     self.finish(plan, server)
+                last_failed = False
             except WorkbookError as e:
+                if last_failed:
+                    raise failed[0] from e
                 log.error("serve: %s failed; the other servers go on (%s)", plan.id, e.problem.split("\n")[0])
                 failed.append(e)
+                last_failed = True
+                self._new_worker()  # its job may still run against the server that died: one in step
         if failed:
             raise failed[0]
+
+    def _new_worker(self) -> None:
+        """`vllm bench serve` in a process of its own (`bench_worker`), replacing the one there was."""
+        from eagle3lib.evaluate.bench_worker import BenchWorker
+        from eagle3lib.evaluate.server import server_environment
+
+        if self.worker is not None:
+            self.worker.close()
+        self.worker = BenchWorker(self.workdir, server_environment(self.inp.cache_dir))
 
     def _side_by_side(self) -> None:
         from eagle3lib.evaluate.server import all_up
@@ -416,6 +418,7 @@ def _level(server: Any, worker: Any, variant: str, level: int, requests: int, ma
            prompts_file: Path, workdir: Path) -> dict[str, Any]:
     """One concurrency level on one server: a clean prefix cache, the counters, the benchmark, the counters."""
     name = f"{variant}_c{level}.json"
+    (workdir / name).unlink(missing_ok=True)  # an earlier attempt's figures are never read as this one's
     server.reset_prefix_cache()
     before = server.spec_counters()
     argv = bench_args(server, prompts_file, level, requests, max_tokens, seed, workdir, name)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3lib.common import drafters
+from eagle3lib.common import atomic, drafters
 from eagle3lib.common.errors import WorkbookError
 
 if TYPE_CHECKING:
@@ -209,3 +209,16 @@ def longest_conversation(tok: Any, items: list[dict[str, Any]], max_tokens: int)
         turns = 1 + len(it.get("followups") or [])
         longest = max(longest, len(benchmarks.chat_ids(tok, msgs)) + turns * max_tokens + 8)
     return longest
+
+
+def write_prompts(tok: Any, prompts: list[list[int]], path: Path) -> int:
+    """The held-out prompts as `vllm bench serve`'s custom dataset (one {"prompt": text} per line): each prompt's
+    token ids decoded back to the chat-template text. Returns how many re-encode to exactly their ids (all, for a
+    byte-level BPE tokenizer; a prompt that does not is still sent, and the report says how many)."""
+    lines, exact = [], 0
+    for ids in prompts:
+        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        exact += int(list(tok(text, add_special_tokens=False)["input_ids"]) == list(ids))
+        lines.append(json.dumps({"prompt": text}) + "\n")
+    atomic.write_text(path, "".join(lines))
+    return exact

@@ -161,7 +161,12 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     from algorithms import report as algorithms_report
 
-    refused = [{"algorithm": "peagle"}, {"algorithm": "dflash", "draft_tensor_parallel_size": 2}]  # target TP 1
+    both = [{"algorithm": a, "draft_tensor_parallel_size": 2} for a in ("peagle", "dflash")]  # target TP 1
+    stopped = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"serve_grid": both})})
+    with pytest.raises(WorkbookError, match="'peagle_k=2_draft_tensor_parallel_size=2' exited"):
+        evaluate.run(StageRun(get_stage("06"), stopped, rd), progress=False)
+    assert not list(rd.path("eval", "serve").glob("baseline*.log"))  # two failures in a row: no server after them
+    refused = [{"algorithm": "peagle"}, {"algorithm": "dflash", "draft_tensor_parallel_size": 2}]
     stopped = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"serve_grid": refused})})
     with pytest.raises(WorkbookError, match="'dflash_k=3_draft_tensor_parallel_size=2' exited"):
         evaluate.run(StageRun(get_stage("06"), stopped, rd), progress=False)

@@ -385,18 +385,19 @@ def test_worker_under_tensor_parallel_2_matches_transformers(tmp_path, monkeypat
 @needs_vllm
 def test_worker_at_tensor_parallel_1_through_the_multiprocess_path_matches_transformers(tmp_path):
     """extract.vllm_args={distributed_executor_backend: mp} at tensor parallel 1: vLLM runs the capture worker in a
-    worker process of its own behind the RPC message queue, as at tensor parallel > 1 (at 1 it would otherwise run
-    inside the engine's process), and the states still match transformers."""
+    worker process of its own behind the RPC message queue, as at tensor parallel > 1 (the engine here runs in this
+    process, where vLLM would otherwise take its UniProcExecutor), and the states still match transformers."""
     from conftest import build_tiny_llama
 
     model_dir = build_tiny_llama(tmp_path / "model", hidden=256)
     ids = [1, 3, 4, 6]
     rows = random_rows(512, [37, 64, 5], seed=4)
-    cfg = make_cfg(tmp_path, model_dir, "worker", ids, "extract.vllm_args={distributed_executor_backend: mp}",
-                   "extract.vllm_in_process=false")
+    cfg = make_cfg(tmp_path, model_dir, "worker", ids, "extract.vllm_args={distributed_executor_backend: mp}")
     out = run_backend(cfg, model_dir, ids, rows,
-                      extra=lambda b: b.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
-    assert out["extra"] == "mp"
+                      extra=lambda b: type(b.llm.llm_engine.engine_core.engine_core.model_executor).__name__)
+    assert out["extra"] == "MultiprocExecutor"
+    with pytest.raises(WorkbookError, match="enforce_eager: set by the workbook"):  # the hooks need it as it is
+        make_cfg(tmp_path, model_dir, "worker", ids, "extract.vllm_args={enforce_eager: false}")
     assert_parity(out["states"], reference(model_dir, rows, ids), rows, ids, "worker, tensor parallel 1, mp executor")
 
 
