@@ -96,11 +96,10 @@ def served_so_far(run_dir: Path, algorithm: str, trained: dict[str, Any]) -> dic
     cells = {n: v["value"] for n, v in (json.loads(path.read_text())["methods"] if path.is_file() else {}).items()}
     firsts = [n.removesuffix(" outputs") for n in cells if n.startswith(f"{algorithm} ") and n.endswith(" outputs")]
     if not firsts:  # its server never finished a level: the first exception its log names
-        from eagle3lib.common.processes import ERROR_LINE
+        from eagle3lib.common.processes import error_lines
 
         logs = sorted(path.parent.glob(f"{algorithm}_*.server.log"))
-        lines = [ln.strip() for ln in logs[0].read_text(errors="replace").splitlines()] if logs else []
-        error = next((ln[:400] for ln in lines if ERROR_LINE.search(ln)), None)
+        error = next(iter(error_lines(logs[0].read_text(errors="replace").splitlines()) if logs else []), None)
         return {"setting": None, "tau_by_benchmark": {}, "tokens_per_step": None, "speedup_by_concurrency": {},
                 "server_error": error, **training_figures(trained)}
     first, row = firsts[0], serve_row(algorithm)

@@ -77,7 +77,7 @@ def multiprocess_capture(fork: Path, parent: Path) -> dict[str, Any]:
 
     stage = own(manifest_file(fork, get_stage("02")).relative_to(fork))
     extract = (stage.get("metrics") or {}).get("extract") or {}
-    return {"executor": (load_config(fork / "config.yaml").extract.vllm_args or {}).get("distributed_executor_backend"),
+    return {"executor": load_config(fork / "config.yaml").extract.vllm_args.get("distributed_executor_backend"),
             "finished": bool(stage), "computed_shards": extract.get("computed_shards"),
             "capture_seconds": extract.get("capture_seconds"), "stage_02_seconds": stage.get("seconds"),
             "probe_passed": own(Path("capture_probe.json")).get("passed")}

@@ -41,13 +41,19 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         text = path.read_text(errors="replace").splitlines(keepends=True)
     except OSError:
         return "(no log)\n"
-    above = []
-    for line in text[:-lines]:
-        line = line.strip()[:400]
-        if ERROR_LINE.search(line) and line not in above:
-            above.append(line)
+    above = error_lines(text[:-lines])
     head = "".join(f"{line}\n" for line in above[-CAUSES_SHOWN:])
     return (f"errors above the last lines:\n{head}...\n" if head else "") + "".join(text[-lines:])
+
+
+def error_lines(lines: list[str]) -> list[str]:
+    """The distinct exception lines (ERROR_LINE) among `lines`, in order, stripped and cut at 400 characters."""
+    found: list[str] = []
+    for line in lines:
+        line = line.strip()[:400]
+        if ERROR_LINE.search(line) and line not in found:
+            found.append(line)
+    return found
 
 
 _LIBC: Any = None
