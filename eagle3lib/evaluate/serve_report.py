@@ -66,7 +66,7 @@ def _settings(names: list[str | None]) -> str:
 def verdict_line(v: dict[str, Any]) -> str:
     """The report card's first line (`serve_verdict.verdict`'s numbers): serve the draft up to concurrency N with these
     settings, or do not serve it; the τ this target needs to break even; what one more doubling of the training
-    data gives by the run's data curve, or that the run has none."""
+    data gives by the data curve, or that there is none for this drafter."""
     low, x = v["lowest_concurrency"], _x(v.get("speedup_at_lowest"))
     cost, tau = v.get("step_cost"), v.get("tau")
     several = len(v.get("algorithms") or []) > 1  # the sweep served more than one drafter: the line names them
@@ -94,13 +94,17 @@ def verdict_line(v: dict[str, Any]) -> str:
                      f"{', '.join(map(str, v['recommended_at']))} (the table below)")
     curve = v.get("data_curve") or {}
     after = v.get("tau_after_doubling")
-    if curve.get("found") and after is not None:
-        line += (f". One more doubling of the training data: τ ≈ {after:.2f} by this run's data curve "
+    best, measured = v.get("drafter_at_lowest", "eagle3"), v.get("data_curve_drafter", "eagle3")
+    if curve.get("found") and best != measured:  # the curve measured another drafter's drafts
+        line += (f". No data curve of {_title(best)} drafts (`{curve.get('path')}` measured {_title(measured)} "
+                 "ones): no estimate of what more data would give")
+    elif curve.get("found") and after is not None:
+        line += (f". One more doubling of the training data: τ ≈ {after:.2f} by the data curve "
                  f"({curve['of']} {curve['gain_per_doubling']:+.2f} per doubling, {curve.get('from')} → "
                  f"{curve.get('to')})")
         if cost is not None:
             line += ", past break-even" if after >= cost else ", still short of break-even"
-    else:
+    elif not curve.get("found"):
         line += (f". No data curve for this run (none at `{curve.get('path')}`; benchmarks/data_curve.py writes one, "
                  "evaluate.data_curve names it): no estimate of what more data would give")
     return line + "."

@@ -4,7 +4,7 @@ The sweep (eagle3lib.evaluate.serve) measures every `evaluate.serve_grid` settin
 concurrency level; `recommend` picks per level the setting with the most output tokens/s, or no draft where none
 beats the target alone, and `verdict` turns that into the report card's first line: serve the draft up to
 concurrency N with these settings, or do not serve it, with the τ this target needs to break even and what one more
-doubling of the training data gives by the run's own data curve (`read_data_curve`).
+doubling of the training data gives by the data curve (`read_data_curve`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from eagle3lib.common.config import WorkbookConfig
 
 DATA_CURVE = "data_curve.json"  # a run's own data-volume curve (benchmarks/data_curve.py's JSON), when it has one
+# the drafter a data curve measures: benchmarks/data_curve.py reads each run's EAGLE-3 draft (`point`), so its gain
+# per doubling says nothing of how a P-EAGLE or DFlash draft grows with data
+DATA_CURVE_DRAFTER = "eagle3"
 
 
 def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: str) -> dict[str, Any]:
@@ -90,8 +93,8 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
     drafters and settings; or, where none does at the lowest level, serve none. Either way the step cost at the lowest level's best setting, from
     its τ (server counters) and speedup (output tokens/s): with τ tokens per step and a step costing Y plain steps
     the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to break even (1.2 Y for ×1.2); and
-    what one more doubling of the training data gives by the run's data curve (`read_data_curve`): τ + its last
-    gain per doubling."""
+    what one more doubling of the training data gives by the data curve (`read_data_curve`): τ + its last
+    gain per doubling, where that setting's drafter is the one the curve measured (`DATA_CURVE_DRAFTER`)."""
     from eagle3lib.evaluate.serve_report import verdict_line
 
     levels = [int(c) for c in serve["by_level"]]
@@ -104,8 +107,10 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
     low = serve["by_level"][str(levels[0])]
     speedup, tau = low.get("output_tok_s_ratio"), low.get("tau")
     cost = round(tau / speedup, 4) if tau and speedup else None
-    gain = curve.get("gain_per_doubling") if curve.get("found") else None
     drafter = {label: st.get("algorithm") or "eagle3" for label, st in (serve.get("settings") or {}).items()}
+    best = drafter.get(low["setting"], "eagle3")
+    applies = curve.get("found") and best == DATA_CURVE_DRAFTER
+    gain = curve.get("gain_per_doubling") if applies else None
     out = {"serve": up_to is not None, "up_to_concurrency": up_to, "highest_concurrency": levels[-1],
            "algorithms": list(dict.fromkeys(drafter.values())),
            "settings": {str(c): rec[str(c)]["setting"] for c in levels if up_to is not None and c <= up_to},
@@ -113,7 +118,8 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
            "lowest_concurrency": levels[0], "setting_at_lowest": low["setting"], "speedup_at_lowest": speedup,
            "tau": tau, "step_cost": cost, "break_even_tau": cost,
            "tau_for_x1_2": round(1.2 * cost, 4) if cost else None,
-           "data_curve": curve, "tau_after_doubling": round(tau + gain, 4) if tau and gain is not None else None}
+           "data_curve": curve, "tau_after_doubling": round(tau + gain, 4) if tau and gain is not None else None,
+           "drafter_at_lowest": best, "data_curve_drafter": DATA_CURVE_DRAFTER}
     out["algorithms_recommended"] = list(dict.fromkeys(drafter.get(s, "eagle3") for s in out["settings"].values()))
     out["line"] = verdict_line(out)
     return out

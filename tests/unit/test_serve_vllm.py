@@ -198,7 +198,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         assert line.startswith(f"**Serve this draft** up to concurrency **{up_to}**"), line
         assert f"(**×{low['output_tok_s_ratio']:.2f}** output tokens/s at 1)" in line
         assert f"breaks even from τ {cost:.2f}" in line
-    assert f"One more doubling of the training data: τ ≈ {low['tau'] + 0.29:.2f} by this run's data curve" in line
+    assert f"One more doubling of the training data: τ ≈ {low['tau'] + 0.29:.2f} by the data curve" in line
     # n-gram lookup's server, measured at the same levels against the same baseline (no draft model in its command)
     ng = srv["ngram"]
     assert set(ng["speedup_by_concurrency"]) == {"1", "2"}
