@@ -12,8 +12,8 @@ a fork of RUN holding every drafter's finished checkpoints (hard links), whose s
 every drafter's server and the target alone, one after another (`evaluate.serve_side_by_side_kv_gib: null`), as a
 user runs one server. `report` writes per drafter (`arms`): τ on the held-out prompts and each benchmark from its
 server's counters (`tau_by_benchmark`), tokens per target step, per-position acceptance, the speedup (output tokens/s
-with ÷ without) at each concurrency level at the drafter's best setting, its training tokens, seconds and
-parameters, its validation EAL; and the report card's verdict, which picks among them.
+with ÷ without) and what a step costs in plain steps (`step_cost_by_concurrency`, stage 06's TPOT-based figure) at
+each concurrency level at the drafter's best setting, its training tokens, seconds and parameters, its validation EAL; and the report card's verdict, which picks among them.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def arm(algorithm: str, results: dict[str, Any], trained: dict[str, Any]) -> dic
     return {"tau_by_benchmark": taus, "tokens_per_step": acc.get("tokens_per_step"),
             "per_position": [round(n / drafts, 4) for n in acc.get("per_pos") or []],
             "speedup_by_concurrency": {c: b["speedup"] for c, b in best.items()},
+            "step_cost_by_concurrency": {c: b["step_cost"] for c, b in best.items()},
             "best_setting_by_concurrency": {c: b["setting"] for c, b in best.items()},
             "settings": [n for n, st in (serve.get("settings") or {}).items() if st.get("algorithm") == algorithm],
             "identical": f"{first.get('identical')}/{serve.get('prompts')}" if first else None,

@@ -55,7 +55,8 @@ def drafters_of(results: dict[str, Any], m05: dict[str, Any]) -> list[str]:
 
 def best_by_level(serve: dict[str, Any], algorithm: str | None = None) -> dict[str, dict[str, Any]]:
     """Per concurrency level the setting with the most output tokens/s (of one drafter, or of all): {level:
-    {"setting", "speedup", "output_throughput"}} from the sweep's settings."""
+    {"setting", "speedup", "output_throughput", "step_cost"}} from the sweep's settings (`step_cost`:
+    serve.step_cost, what a step with the draft costs in plain steps at that load)."""
     settings = {n: st for n, st in (serve.get("settings") or {}).items()
                 if algorithm is None or (st.get("algorithm") or "eagle3") == algorithm}
     out = {}
@@ -65,7 +66,8 @@ def best_by_level(serve: dict[str, Any], algorithm: str | None = None) -> dict[s
         if cells:
             name = max(cells, key=lambda n: cells[n][1].get("output_throughput") or 0)
             out[c] = {"setting": name, "speedup": cells[name][0].get("output_tok_s_ratio"),
-                      "output_throughput": cells[name][1].get("output_throughput")}
+                      "output_throughput": cells[name][1].get("output_throughput"),
+                      "step_cost": cells[name][0].get("step_cost")}
     return out
 
 

@@ -206,6 +206,7 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     assert list(arms) == ["peagle", "dflash"]
     for a in arms.values():
         assert a["tau_by_benchmark"]["heldout"] >= 1.0 and set(a["speedup_by_concurrency"]) == {"1"}
+        assert a["step_cost_by_concurrency"]["1"] > 0  # stage 06's own figure at the arm's best setting
         assert a["train_tokens"] > 0 and a["draft_params"] > 0
 
 
