@@ -13,7 +13,8 @@ every drafter's server and the target alone, one after another (`evaluate.serve_
 user runs one server. `report` writes per drafter (`arms`): τ on the held-out prompts and each benchmark from its
 server's counters (`tau_by_benchmark`), tokens per target step, per-position acceptance, the speedup (output tokens/s
 with ÷ without) and what a step costs in plain steps (`step_cost_by_concurrency`, stage 06's TPOT-based figure) at
-each concurrency level at the drafter's best setting, its training tokens, seconds and parameters, its validation EAL; and the report card's verdict, which picks among them.
+each concurrency level at the drafter's best setting, its training tokens, seconds and parameters, its validation
+EAL; and the report card's verdict, which picks among them.
 """
 
 from __future__ import annotations

@@ -118,7 +118,15 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 # the rows a benchmark can have; a table shows those it has
-BENCH_METHODS = (EMBEDDED, SERVE, NGRAM_SERVE, BENCH_PATH, BENCH_ALL)
+def method_rows(have: Any) -> list[str]:
+    """The τ rows in `have` (a set or a by-method dict) that the benchmark and held-out tables show, in order: the
+    drafts' rows first (EAGLE-3's embedded decoder and server, then each other drafter's server row, `serve_row`:
+    "vllm serve dflash", so that a run without an EAGLE-3 draft still gets its columns), then n-gram lookup's server
+    and the offline replays."""
+    from eagle3lib.common.drafters import DRAFTERS
+
+    order = (EMBEDDED, SERVE, *(serve_row(a) for a in DRAFTERS if a != "eagle3"), NGRAM_SERVE, BENCH_PATH, BENCH_ALL)
+    return [m for m in order if m in have]
 
 
 def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -130,13 +138,13 @@ def benchmark_table(results: dict[str, Any], dedup: dict[str, Any] | None = None
     if not benches:
         return []
     by = results.get("by_method", {})
-    held = {EMBEDDED: by.get(EMBEDDED), SERVE: by.get(SERVE), NGRAM_SERVE: by.get(NGRAM_SERVE),
-            BENCH_PATH: by.get(HELDOUT_PATH), BENCH_ALL: by.get(HELDOUT_ALL)}
+    held = {**{m: by.get(m) for m in method_rows(by)},  # the same rows as the benchmarks, read from the held-out
+            BENCH_PATH: by.get(HELDOUT_PATH), BENCH_ALL: by.get(HELDOUT_ALL)}  # prompts' own (the offline ones renamed)
     sets = [(HELD_OUT, results.get("prompts"), results.get("prompts"), (dedup or {}).get("held_out"), held)]
     sets += [(name, b.get("questions"), b.get("prompts"), b.get("dedup_dropped"), b["by_method"])
              for name, b in benches.items()]
     methods = bench_methods(benches)
-    live = next((m for m in (EMBEDDED, SERVE) if m in methods), None)
+    live = next((m for m in methods if m not in (NGRAM_SERVE, BENCH_PATH, BENCH_ALL)), None)  # a draft that decoded
     return [{"prompt set": name, "questions": q, "prompts": n, "dropped from training": d,
              **{f"τ {m}": (accs.get(m) or {}).get("tau") for m in methods},
              **({f"per position ({live})": per_position(accs.get(live) or {})} if live else {})}
@@ -148,7 +156,7 @@ def held_out_group_table(results: dict[str, Any]) -> list[dict[str, Any]]:
     measured them (the embedded decoder; the draft's and n-gram lookup's servers, from the outputs pass), and the
     per-position rates of the first; [] without groups."""
     groups = (results.get("held_out_groups") or {}).get("groups") or {}
-    methods = [m for m in BENCH_METHODS if any(m in g["by_method"] for g in groups.values())]
+    methods = method_rows({m for g in groups.values() for m in g["by_method"]})
     by = (results.get("held_out_groups") or {}).get("by")
     return [{by: label, "prompts": g["prompts"],
              **{f"τ {m}": (g["by_method"].get(m) or {}).get("tau") for m in methods},
@@ -157,9 +165,8 @@ def held_out_group_table(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def bench_methods(benches: dict[str, Any]) -> list[str]:
-    """The method rows the benchmarks were measured with, in BENCH_METHODS order."""
-    have = {m for b in benches.values() for m in b.get("by_method", {})}
-    return [m for m in BENCH_METHODS if m in have]
+    """The method rows the benchmarks were measured with (`method_rows`)."""
+    return method_rows({m for b in benches.values() for m in b.get("by_method", {})})
 
 
 def benchmark_lines(results: dict[str, Any], m02: dict[str, Any]) -> list[str]:

@@ -88,13 +88,14 @@ def read_data_curve(path: Path) -> dict[str, Any]:
 
 
 def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
-    """The report card's first line, from the sweep's own numbers: serve a draft up to the highest level N such
-    that a setting (of any drafter) beats the target alone at every level up to N, with those levels' recommended
-    drafters and settings; or, where none does at the lowest level, serve none. Either way the step cost at the lowest level's best setting, from
-    its τ (server counters) and speedup (output tokens/s): with τ tokens per step and a step costing Y plain steps
-    the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to break even (1.2 Y for ×1.2); and
-    what one more doubling of the training data gives by the data curve (`read_data_curve`): τ + its last
-    gain per doubling, where that setting's drafter is the one the curve measured (`DATA_CURVE_DRAFTER`)."""
+    """The report card's first line, from the sweep's own numbers: serve a draft up to the highest level N such that
+    a setting (of any drafter) beats the target alone at every level up to N, with those levels' recommended
+    drafters and settings; or, where none does at the lowest level, serve none. Either way the step cost at the
+    lowest level's best setting, from its τ (server counters) and speedup (output tokens/s): with τ tokens per step
+    and a step costing Y plain steps the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to
+    break even (1.2 Y for ×1.2); and what one more doubling of the training data gives by the data curve
+    (`read_data_curve`): τ + its last gain per doubling, where that setting's drafter is the one the curve measured
+    (`DATA_CURVE_DRAFTER`)."""
     from eagle3lib.evaluate.serve_report import verdict_line
 
     levels = [int(c) for c in serve["by_level"]]

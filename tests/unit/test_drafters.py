@@ -210,6 +210,28 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
         assert a["train_tokens"] > 0 and a["draft_params"] > 0
 
 
+def test_the_tables_of_a_run_without_an_eagle3_draft_show_its_drafters():
+    """Notebook 06's and the card's held-out and benchmark tables take each drafter's server row (`vllm serve dflash`)
+    where there is no EAGLE-3 draft (a DFlash-only run's notebook 06 failed on an empty held-out table), the drafts'
+    rows before n-gram lookup's."""
+    from eagle3lib.evaluate import benchmark_table, held_out_group_table
+
+    def acc(tau):
+        return {"tau": tau, "per_pos_rate": [tau - 1.0, 0.0]}
+
+    rows = {"vllm serve dflash": acc(1.3), "vllm serve n-gram (no draft)": acc(1.1)}
+    results = {"prompts": 4, "by_method": rows,
+               "held_out_groups": {"by": "category", "groups": {"code": {"prompts": 2, "by_method": rows}}},
+               "tau_by_benchmark": {"mt_bench": {"questions": 2, "prompts": 4, "by_method": rows}}}
+    groups = held_out_group_table(results)
+    assert list(groups[0]) == ["category", "prompts", "τ vllm serve dflash", "τ vllm serve n-gram (no draft)",
+                               "per position (vllm serve dflash)"]
+    assert groups[0]["τ vllm serve dflash"] == 1.3 and groups[0]["per position (vllm serve dflash)"] == "0.30 / 0.00"
+    table = benchmark_table(results)
+    assert [r["prompt set"] for r in table] == ["held-out split", "mt_bench"]
+    assert all(r["τ vllm serve dflash"] == 1.3 and r["per position (vllm serve dflash)"] for r in table)
+
+
 def test_one_forward_drafters_get_room_for_their_slots_and_a_head_dim(tmp_path):
     """A P-EAGLE or DFlash server gets max_num_batched_tokens with room for k slots per request (vLLM 0.26 refused a
     DFlash server at k = 15 without it) and no more requests than keep its sampler's warmup within the rows EAGLE-3
