@@ -46,7 +46,7 @@ pack_runs() { tar czf "$1" --exclude='dataset' --exclude='verifier' --exclude='*
   --exclude='spool' outputs/$RUN outputs/$RUN-eagle1 outputs/$RUN-b outputs/$SRUN-a outputs/$SRUN-b outputs/$RUN-f* outputs/$RUN-x* \
   outputs/$RUN-offline outputs/$RUN-online outputs/$RUN-spool outputs/$SRUN outputs/$SRUN-offline outputs/$SRUN-online \
   outputs/$SRUN-spool outputs/$RUN-speculators-cli* outputs/$RUN-workbook-* outputs/$RUN-graphs-* outputs/$RUN-eagle3 \
-  outputs/$RUN-peagle outputs/$RUN-dflash outputs/$RUN-drafters outputs/$RUN-steps outputs/$RUN-mp 2>/dev/null; }
+  outputs/$RUN-peagle outputs/$RUN-dflash outputs/$RUN-drafters outputs/$RUN-steps outputs/$RUN-mp outputs/*-sbs 2>/dev/null; }
 # a stage killed by `timeout` can leave its spawned vLLM engine process behind, holding most of a GPU (seen: 120 GiB)
 free_gpus() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p"; done; sleep 2; }
 step() { echo "$(date +%T) $*"; }

@@ -60,6 +60,10 @@
 #                `algorithms`: SVP_RUN=$RUN-drafters) against two plain `vllm serve`s, with and without its EAGLE-3
 #                draft, each alone, driven one request after another at its max tokens and at 256
 #                -> $RES/serve_vs_plain_<run>.json (benchmarks/serve_vs_plain.py)
+#   side_by_side GPU 0: stage 06 of a finished run (outputs/$SVP_RUN) again on a fork ($SVP_RUN-sbs) from that run's
+#                own resolved config, its servers side by side (evaluate.serve_side_by_side_kv_gib: 8), then
+#                `eagle3 compare` of both -> $RES/side_by_side_<run>.md: what sharing one GPU does to the figures a
+#                verdict rests on (docs/serving.md#the-card-and-a-plain-server)
 #   kimi_shaped  GPU 0: scripts/kimi_shaped.py's Kimi-K2.5-shaped checkpoint, then stages 00-06 of $CONFIG
 #                (configs/kimi-k2.5-shaped-1gpu.yaml) as $RUN, then stage 02 of a fork ($RUN-mp) through vLLM's
 #                multiprocess executor -> $RES/kimi_shaped_<run>.json (benchmarks/kimi_shaped.py);
@@ -293,6 +297,16 @@ run_step() {
       --max-tokens 256 --out "$RES/serve_vs_plain_${SVP_RUN:-$RUN}.json" \
       --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=serve_vs_plain SVP_RUN=${SVP_RUN:-$RUN}, $CONFIG" \
       > "$RES/serve_vs_plain.log" 2>&1
+    ;;
+  side_by_side)
+    step "stage 06 of ${SVP_RUN:-$RUN} again, its servers side by side"
+    src=${SVP_RUN:-$RUN}
+    # a fork has stages 00-04 (hard links); its drafts and stage 05's manifest are linked in too, and stage 06 runs
+    # from scratch (checked on the CPU box with the demo: the source's files stay as they were)
+    fork "$src" "$src-sbs" && cp -al "outputs/$src/draft" "outputs/$src-sbs/draft" \
+      && ln "outputs/$src"/manifests/05_*.json "outputs/$src-sbs/manifests/"
+    CONFIG="outputs/$src/config.yaml" run_on 0 sbs --run "$src-sbs" --stages 06 -p "evaluate.serve_side_by_side_kv_gib=8"
+    python3 -m eagle3lib.cli compare "outputs/$src" "outputs/$src-sbs" > "$RES/side_by_side_$src.md" 2> "$RES/sbs_compare.log"
     ;;
   kimi_shaped)
     # the Kimi-K2.5 path on GPU kernels: scripts/kimi_shaped.py's checkpoint (the kimi_k25 wrapper, MLA and MoE
