@@ -191,8 +191,9 @@ def compare_runs(roots: list[Path]) -> str:
                  "(the serve step's sweep; at that level's best setting of the drafter).")
     out = [pick, ""] if (pick := pick_line(roots, runs)) else []
     out += [_table(header, rows + ([ngram] if ngram else [])), "", note]
-    if held := held_out_note(roots, runs):
-        out += ["", held]
+    for extra in (held_out_note(roots, runs), servers_note(roots, runs)):
+        if extra:
+            out += ["", extra]
     cats = _category_lines(roots, runs)
     return "\n".join(out + ([""] + cats if cats else []))
 
@@ -212,3 +213,18 @@ def held_out_note(roots: list[Path], runs: list[dict[str, Any]]) -> str | None:
     return (f"**The held-out prompts differ or are not known to match** (stage 06's held_out_digest: {sets}): the "
             "τ embedded / vLLM / serve columns of those runs do not compare; the benchmark columns do (the same "
             "questions).")
+
+
+def servers_note(roots: list[Path], runs: list[dict[str, Any]]) -> str | None:
+    """A warning where the runs' serve sweeps measured their servers differently, some side by side on one GPU and
+    some each alone (results["serve"]["side_by_side"]): their ×c=N columns do not compare, and only alone is what a
+    deployment gets (docs/serving.md#the-card-and-a-plain-server)."""
+    groups: dict[bool, list[str]] = {}
+    for root, r in zip(roots, runs, strict=True):
+        if (r.get("serve") or {}).get("speedup_by_concurrency"):
+            groups.setdefault(bool(r["serve"].get("side_by_side")), []).append(root.name)
+    if len(groups) < 2:
+        return None
+    return (f"**The servers were measured differently**: side by side on one GPU in {', '.join(groups[True])}; each "
+            f"alone in {', '.join(groups[False])}. Their ×c=N columns do not compare; each alone is what a deployment "
+            "gets.")

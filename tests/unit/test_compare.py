@@ -173,3 +173,21 @@ def test_compare_says_when_runs_asked_different_held_out_prompts(tmp_path):
     old = run("old", None)
     assert "old: not recorded" in compare_runs([same[0], old])
     assert "held-out prompts differ" not in compare_runs([old, run("old2", None)])  # as before the digest
+
+
+def test_compare_says_when_runs_measured_their_servers_differently(tmp_path):
+    """Stage 06's serve sweep records whether its servers shared the GPU (`side_by_side`): runs measured the same way
+    compare as they are; one side by side beside one alone gets one line naming which was which."""
+    from eagle3lib.evaluate.compare import compare_runs
+
+    def run(name: str, side_by_side: bool) -> Path:
+        return _write_run(tmp_path / name, [2, 15, 27, 30], 2.0, {"05": 10.0}, {
+            "by_method": {SERVE: _acc(1.5)},
+            "serve": {"speedup_by_concurrency": {"1": 1.1}, "side_by_side": side_by_side}})
+
+    alone = run("alone", False)
+    assert "measured differently" not in compare_runs([alone, run("alone2", False)])
+    text = compare_runs([alone, run("shared", True)])
+    assert ("**The servers were measured differently**: side by side on one GPU in shared; each alone in alone. "
+            "Their ×c=N columns do not compare") in text
+
