@@ -282,9 +282,29 @@ def probe_cost(probe: dict, capture_s: float, loop_tokens_per_s: float, kept_tok
 
 
 def vllm_one(args: argparse.Namespace) -> dict:
-    """One mode, in this process: engine start, a warm-up, then the timed run."""
+    """One mode, in this process: engine start, a warm-up, then the timed run (`_prefill_run` or `_capture_run`)."""
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="eagle3-vllm-bench-"))
+    cfg, model_dir, layer_ids, input_ids, shape = _vllm_setup(args, work)
+    tokens = sum(len(t) for t in input_ids)
+    result: dict[str, Any] = {"mode": args.backend, "shape": shape, "layer_ids": layer_ids, "rows": len(input_ids),
+                              "seq_len": len(input_ids[0]), "tokens": tokens, "store_dtype": args.store_dtype,
+                              "request_tokens": args.request_tokens, "batch_tokens": args.batch_tokens,
+                              "in_process": not args.multiprocess, "weights": args.weights}
+    load_format = {"load_format": "dummy"} if args.weights == "dummy" else {}
+    try:
+        run = _prefill_run if args.backend == "vllm-prefill" else _capture_run
+        result.update(run(args, cfg, model_dir, layer_ids, input_ids, shape, load_format, work))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return result
+
+
+def _prefill_run(args: argparse.Namespace, cfg: Any, model_dir: Path, layer_ids: list[int], input_ids: list[list[int]],
+                 shape: dict, load_format: dict, work: Path) -> dict[str, Any]:
+    """vLLM prefill alone (no states kept): the ceiling each capture mode is measured against."""
     from eagle3lib.common.target import read_hf_config
-    from eagle3lib.extract.backends import make_vllm_backend
     from eagle3lib.extract.backends.adapters import select_adapter
     from eagle3lib.extract.backends.vllm_engine import (
         engine_kwargs,
@@ -294,77 +314,70 @@ def vllm_one(args: argparse.Namespace) -> dict:
         stop_engine,
     )
 
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="eagle3-vllm-bench-"))
-    cfg, model_dir, layer_ids, input_ids, shape = _vllm_setup(args, work)
-    tokens = sum(len(t) for t in input_ids)
     rows = list(enumerate(input_ids))
-    result: dict[str, Any] = {"mode": args.backend, "shape": shape, "layer_ids": layer_ids, "rows": len(rows),
-                              "seq_len": len(input_ids[0]), "tokens": tokens, "store_dtype": args.store_dtype,
-                              "request_tokens": args.request_tokens, "batch_tokens": args.batch_tokens,
-                              "in_process": not args.multiprocess, "weights": args.weights}
-    load_format = {"load_format": "dummy"} if args.weights == "dummy" else {}
     t = time.time()
+    prepare_environment(cfg)
+    kwargs = engine_kwargs(cfg, model_dir, select_adapter(read_hf_config(model_dir)))
+    llm = start_engine({**kwargs, **load_format})
+    start_s = round(time.time() - t, 1)
     try:
-        if args.backend == "vllm-prefill":
-            prepare_environment(cfg)
-            kwargs = engine_kwargs(cfg, model_dir, select_adapter(read_hf_config(model_dir)))
-            llm = start_engine({**kwargs, **load_format})
-            result["engine_start_s"] = round(time.time() - t, 1)
-            try:
-                generate(llm, rows[:8])  # warm-up (the same rows as the backends' warm-up)
-                per_call = max(1, args.request_tokens // len(input_ids[0]))  # = the backends' request_batches
-                t = time.time()
-                for i in range(0, len(rows), per_call):
-                    generate(llm, rows[i:i + per_call])
-                sync("cuda" if torch.cuda.is_available() else "cpu")
-                secs = time.time() - t
-            finally:
-                stop_engine(llm)
-            result["tokens_per_s"] = round(tokens / secs, 1)
-        else:
-            cfg.extract.strategy = args.backend.removeprefix("vllm-")
-            backend = make_vllm_backend(cfg, model_dir, layer_ids, **load_format)
-            result["engine_start_s"] = round(time.time() - t, 1)
-            result["connector"] = getattr(backend, "connector", None)  # native: which hidden-states connector wrote
-            ddir = work / f"dataset-{cfg.extract.strategy}"
-            shutil.rmtree(ddir, ignore_errors=True)
-            try:
-                for _, states in backend.capture(rows[:8]):  # warm-up
-                    if isinstance(states, Path):
-                        states.unlink()
-                backend.stats = dict.fromkeys(getattr(backend, "stats", {}), 0)
-                loss_mask = [[1] * len(x) for x in input_ids]
-                # the probe (random weights only: it reads the head from the checkpoint) runs inside `extract`:
-                # its rows through the engine first (its blocking part, outside capture_seconds), its judging beside
-                # the extraction, whose writer holds the shards until the verdict (a wait inside capture_seconds,
-                # counted in blocking_seconds); the blocking seconds against the run's are the issue's "probe cost"
-                ext = capture.extract(cfg, ddir, model_dir, layer_ids, shape["hidden"], input_ids, loss_mask,
-                                      progress=False, backend=backend,
-                                      probe_dir=work if args.weights == "random" else None)
-            finally:
-                backend.close()
-            written = sorted(shards.shard_dir(ddir).glob("hs_*.safetensors"))
-            spec = capture.shard_spec(cfg, layer_ids, shape["hidden"])
-            assert len(written) == len(rows), f"{len(written)} shards for {len(rows)} rows"
-            for i in (0, len(rows) // 2, len(rows) - 1):
-                assert not shards.check_shard_file(shards.shard_path(ddir, i), input_ids[i], spec)
-            result["tokens_per_s"] = ext["tokens_per_s"]  # the capture loop (the probe's kept rows not in it)
-            result["end_to_end_tokens_per_s"] = ext["end_to_end_tokens_per_s"]  # every row, the probe's wait included
-            result["capture_seconds"] = ext["capture_seconds"]
-            if "probe" in ext:
-                kept_tokens = ext["probe"]["kept_rows"] * len(input_ids[0])  # the benchmark's rows: one length
-                result["probe"] = {**ext["probe"], **probe_cost(ext["probe"], ext["capture_seconds"], ext["tokens_per_s"],
-                                                                kept_tokens, result["engine_start_s"])}
-            # where the time went: generate_s = engine busy on the batches (the pipeline overlaps it with the
-            # rest), wait_s = waiting for the connector's files, adopted/converted = files renamed / rewritten
-            result["backend_stats"] = {k: round(v, 2) if isinstance(v, float) else v
-                                       for k, v in getattr(backend, "stats", {}).items()}
-            result["disk_bytes"] = sum(p.stat().st_size for p in written)
-            shutil.rmtree(ddir, ignore_errors=True)  # 17 GB for the 8B shape: the next mode needs the disk
+        generate(llm, rows[:8])  # warm-up (the same rows as the backends' warm-up)
+        per_call = max(1, args.request_tokens // len(input_ids[0]))  # = the backends' request_batches
+        t = time.time()
+        for i in range(0, len(rows), per_call):
+            generate(llm, rows[i:i + per_call])
+        sync("cuda" if torch.cuda.is_available() else "cpu")
+        secs = time.time() - t
     finally:
-        if not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
-    result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+        stop_engine(llm)
+    return {"engine_start_s": start_s, "tokens_per_s": round(sum(len(x) for x in input_ids) / secs, 1)}
+
+
+def _capture_run(args: argparse.Namespace, cfg: Any, model_dir: Path, layer_ids: list[int],
+                 input_ids: list[list[int]], shape: dict, load_format: dict, work: Path) -> dict[str, Any]:
+    """One capture mode (native or worker) through stage 02's own `capture.extract`, its shards checked."""
+    from eagle3lib.extract.backends import make_vllm_backend
+
+    rows = list(enumerate(input_ids))
+    t = time.time()
+    cfg.extract.strategy = args.backend.removeprefix("vllm-")
+    backend = make_vllm_backend(cfg, model_dir, layer_ids, **load_format)
+    result: dict[str, Any] = {"engine_start_s": round(time.time() - t, 1),
+                              "connector": getattr(backend, "connector", None)}  # native: which connector wrote
+    ddir = work / f"dataset-{cfg.extract.strategy}"
+    shutil.rmtree(ddir, ignore_errors=True)
+    try:
+        for _, states in backend.capture(rows[:8]):  # warm-up
+            if isinstance(states, Path):
+                states.unlink()
+        backend.stats = dict.fromkeys(getattr(backend, "stats", {}), 0)
+        loss_mask = [[1] * len(x) for x in input_ids]
+        # the probe (random weights only: it reads the head from the checkpoint) runs inside `extract`: its rows
+        # through the engine first (its blocking part, outside capture_seconds), its judging beside the extraction,
+        # whose writer holds the shards until the verdict (a wait inside capture_seconds, counted in
+        # blocking_seconds); the blocking seconds against the run's are the issue's "probe cost"
+        ext = capture.extract(cfg, ddir, model_dir, layer_ids, shape["hidden"], input_ids, loss_mask,
+                              progress=False, backend=backend, probe_dir=work if args.weights == "random" else None)
+    finally:
+        backend.close()
+    written = sorted(shards.shard_dir(ddir).glob("hs_*.safetensors"))
+    spec = capture.shard_spec(cfg, layer_ids, shape["hidden"])
+    assert len(written) == len(rows), f"{len(written)} shards for {len(rows)} rows"
+    for i in (0, len(rows) // 2, len(rows) - 1):
+        assert not shards.check_shard_file(shards.shard_path(ddir, i), input_ids[i], spec)
+    result["tokens_per_s"] = ext["tokens_per_s"]  # the capture loop (the probe's kept rows not in it)
+    result["end_to_end_tokens_per_s"] = ext["end_to_end_tokens_per_s"]  # every row, the probe's wait included
+    result["capture_seconds"] = ext["capture_seconds"]
+    if "probe" in ext:
+        kept_tokens = ext["probe"]["kept_rows"] * len(input_ids[0])  # the benchmark's rows: one length
+        result["probe"] = {**ext["probe"], **probe_cost(ext["probe"], ext["capture_seconds"], ext["tokens_per_s"],
+                                                        kept_tokens, result["engine_start_s"])}
+    # where the time went: generate_s = engine busy on the batches (the pipeline overlaps it with the rest), wait_s =
+    # waiting for the connector's files, adopted/converted = files renamed / rewritten
+    result["backend_stats"] = {k: round(v, 2) if isinstance(v, float) else v
+                               for k, v in getattr(backend, "stats", {}).items()}
+    result["disk_bytes"] = sum(p.stat().st_size for p in written)
+    shutil.rmtree(ddir, ignore_errors=True)  # 17 GB for the 8B shape: the next mode needs the disk
     return result
 
 
