@@ -117,7 +117,6 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-# the rows a benchmark can have; a table shows those it has
 def method_rows(have: Any) -> list[str]:
     """The τ rows in `have` (a set or a by-method dict) that the benchmark and held-out tables show, in order: the
     drafts' rows first (EAGLE-3's embedded decoder and server, then each other drafter's server row, `serve_row`:
