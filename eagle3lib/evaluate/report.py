@@ -32,7 +32,6 @@ from eagle3lib.evaluate.keys import (
     NGRAM,
     NGRAM_SERVE,
     OFFLINE_ROWS,
-    SERVE,
     VLLM,
     serve_row,
 )
@@ -124,7 +123,7 @@ def method_rows(have: Any) -> list[str]:
     and the offline replays."""
     from eagle3lib.common.drafters import DRAFTERS
 
-    order = (EMBEDDED, SERVE, *(serve_row(a) for a in DRAFTERS if a != "eagle3"), NGRAM_SERVE, BENCH_PATH, BENCH_ALL)
+    order = (EMBEDDED, *(serve_row(a) for a in DRAFTERS), NGRAM_SERVE, BENCH_PATH, BENCH_ALL)  # EAGLE-3's: SERVE
     return [m for m in order if m in have]
 
 
