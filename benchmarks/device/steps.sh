@@ -315,7 +315,9 @@ run_step() {
     # stage seconds, the probe, vLLM's attention backend and MoE kernel, the served draft's tau and tokens/s)
     step "Kimi-K2.5-shaped checkpoint"
     python3 scripts/kimi_shaped.py --out "$(target_model)" > "$RES/kimi_build.log" 2>&1
-    step "stages 00-06 of $RUN"; run_on 0 kimi --run "$RUN"
+    # at vLLM's INFO level: its lines naming the attention backend and MoE kernel it chose (the workbook sets
+    # WARNING unless VLLM_LOGGING_LEVEL is set, eagle3lib/common/quiet.py) land in the run's engine and server logs
+    step "stages 00-06 of $RUN"; (export VLLM_LOGGING_LEVEL=INFO; run_on 0 kimi --run "$RUN")
     # then stage 02 again on a fork, at tensor parallel 1 through the multiprocess executor tensor parallel 8 takes
     # (docs/capture.md#one-gpu-through-the-multi-gpu-path): the capture worker and its probe behind vLLM's RPC
     step "stage 02 of $RUN-mp: the capture through vLLM's multiprocess executor"

@@ -61,31 +61,6 @@ def weights_bytes(model_dir: Path) -> int:
     return checkpoint_bytes(model_dir)
 
 
-# of one device's memory a transformers target's weights may take (the rest: activations, the draft)
-ONE_DEVICE_SHARE = 0.9
-
-
-def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: int | None = None) -> str | None:
-    """Why transformers' `AutoModelForCausalLM` cannot load this target (onto one device of `device_bytes`, where
-    given), None when it can: its model_type must be in transformers' causal-LM table, or its config's `auto_map`
-    must name a class for it under target.trust_remote_code. Kimi-K2.5's `kimi_k25` wrapper is in neither without
-    Kimi's own code (transformers registers it as image-text-to-text), and a run that needs the transformers target
-    would find out only when the stage that loads it starts."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    cfg = read_hf_config(model_dir)
-    model_type = cfg.get("model_type", "?")
-    remote = "AutoModelForCausalLM" in (cfg.get("auto_map") or {})
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (remote and trust_remote_code):
-        size = weights_bytes(model_dir)
-        if device_bytes and size > ONE_DEVICE_SHARE * device_bytes:
-            return f"its weights ({size / 1e9:.1f} GB) do not fit one device ({device_bytes / 1e9:.1f} GB)"
-        return None
-    return (f"transformers' AutoModelForCausalLM has no class for model_type {model_type!r}"
-            + (" without the checkpoint's own code (target.trust_remote_code is off: true runs that code)" if remote else
-               " and the checkpoint's config names none (no auto_map entry)"))
-
-
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 

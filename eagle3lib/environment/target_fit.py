@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3lib.common.causal_lm import causal_lm_refusal
 from eagle3lib.common.config import WorkbookConfig
-from eagle3lib.common.target import causal_lm_refusal, weights_bytes
+from eagle3lib.common.target import weights_bytes
 from eagle3lib.environment.checks import Check
 
 # the settings that load the target with transformers onto ONE device (the others spread it with device_map)

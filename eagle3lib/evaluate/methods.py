@@ -74,11 +74,10 @@ def add_held_out_groups(results: dict[str, Any], by: str, method: str, groups: d
 
 def load_target(model_dir: Path, device: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:
     """The target in transformers on one device (the embedded decoder, the offline replay, the tie check): what
-    `common.target.causal_lm_refusal` says it can load, which stage 00 checks."""
-    from transformers import AutoModelForCausalLM
+    `common.causal_lm.causal_lm_refusal` says it can load, which stage 00 checks."""
+    from eagle3lib.common.causal_lm import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
-                                                trust_remote_code=trust_remote_code).to(device).eval()
+    return load_causal_lm(model_dir, trust_remote_code, dtype=dtype).to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------------- methods

@@ -141,8 +141,8 @@ def tie_check(cfg: WorkbookConfig, inp: EvalInputs, prompts: list[list[int]], ba
         return {v: {"differ_at_a_tie": 0, "differ_otherwise": 0, "divergences": []} for v in spec_outs}
     import torch
 
+    from eagle3lib.common.causal_lm import causal_lm_refusal
     from eagle3lib.common.device import free_bytes, torch_dtype
-    from eagle3lib.common.target import causal_lm_refusal
     from eagle3lib.evaluate.decoder import first_divergence
     from eagle3lib.evaluate.methods import load_target
 

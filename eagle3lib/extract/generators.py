@@ -117,12 +117,11 @@ class TransformersGenerator:
 
     def _load(self) -> Any:
         if self.model is None:
-            from transformers import AutoModelForCausalLM
+            from eagle3lib.common.causal_lm import load_causal_lm
 
             device = resolve_devices(self.cfg.extract.devices)[0]
-            self.model = AutoModelForCausalLM.from_pretrained(
-                str(self.model_dir), dtype=torch_dtype(self.cfg.target.dtype, device),
-                trust_remote_code=self.cfg.target.trust_remote_code).to(device).eval()
+            self.model = load_causal_lm(self.model_dir, self.cfg.target.trust_remote_code,
+                                        dtype=torch_dtype(self.cfg.target.dtype, device)).to(device).eval()
         return self.model
 
     def generate(self, texts: list[str], temperature: float, max_new_tokens: int, seeds: list[int]) -> list[Reply]:

@@ -48,9 +48,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3lib.common import atomic
+from eagle3lib.common.causal_lm import causal_lm_refusal
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.rundir import StageResult, StageRun
-from eagle3lib.common.target import causal_lm_refusal, checkpoint_bytes
+from eagle3lib.common.target import checkpoint_bytes
 from eagle3lib.verifier.draft_vocab import (
     DraftVocab,
     load_token_freq,

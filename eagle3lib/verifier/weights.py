@@ -415,9 +415,9 @@ def check_against_speculators(verifier_dir: Path, vt: VerifierTensors) -> dict[s
 def check_against_transformers(model_dir: Path, vt: VerifierTensors, trust_remote_code: bool = False) -> dict[str, float]:
     """Load the target with transformers (in the checkpoint's dtype) and compare: max |difference| per tensor.
     Loads the whole model, so only for targets that fit in memory (see VerifierSection.check_with_transformers)."""
-    from transformers import AutoModelForCausalLM
+    from eagle3lib.common.causal_lm import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", trust_remote_code=trust_remote_code)
+    model = load_causal_lm(model_dir, trust_remote_code, dtype="auto")
     try:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         norm = getattr(decoder, "norm", None)

@@ -186,24 +186,59 @@ def test_the_workbook_reads_it_as_a_kimi_k25_wrapper(tiny):
                                                               "language_model.model.norm.weight")
 
 
-def test_stage_00_stops_a_setting_that_loads_it_in_transformers_before_any_model_loads(tiny):
-    """transformers' AutoModelForCausalLM has no class for kimi_k25 without Kimi's own code: stage 00 fails a config
-    that would load the target there (naming each such setting) and passes the shaped 1-GPU config's settings; with
-    the checkpoint's own class named (auto_map) under trust_remote_code, the one-device loaders still need room."""
+def test_transformers_loads_its_text_model_as_kimi_k25s_language_model(tiny):
+    """kimi_k25 has no causal-LM class in transformers, its text model has one (DeepseekV3): every stage that loads
+    the target in transformers (the capture probe's reference among them) gets that text model, with every text
+    tensor of the checkpoint, and its logits equal transformers' own Kimi_K25 wrapper's on the same files (an
+    independent reader of the names)."""
+    from transformers import AutoModelForImageTextToText
+
+    from eagle3lib.common.causal_lm import causal_lm_refusal, load_causal_lm, text_tower
+
+    assert causal_lm_refusal(tiny, False) is None
+    assert text_tower(tiny)[1] == "language_model."
+    lm = load_causal_lm(tiny, dtype=torch.float32).eval()
+    assert type(lm).__name__ == "DeepseekV3ForCausalLM" and len(lm.model.layers) == TINY["layers"]
+    wrapper = AutoModelForImageTextToText.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    ids = torch.randint(0, 49000, (1, 23), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got, ref = lm(input_ids=ids).logits, wrapper(input_ids=ids).logits
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.fixture(scope="module")
+def unknown_text(tiny) -> Path:
+    """The tiny checkpoint as a wrapper whose text model transformers has no class for."""
+    out = tiny.parent / "unknown-text"
+    out.mkdir()
+    config = json.loads((tiny / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "text_config": {
+        **config["text_config"], "model_type": "not_a_text_model"}}))
+    for f in [*tiny.glob("*.safetensors"), tiny / "model.safetensors.index.json"]:
+        (out / f.name).symlink_to(f)
+    return out
+
+
+def test_stage_00_stops_a_setting_that_loads_in_transformers_a_target_it_cannot(tiny, unknown_text):
+    """A wrapper whose text model transformers has no class for: stage 00 fails a config that would load the target
+    there (naming each such setting) and passes the shaped 1-GPU config's settings; with the checkpoint's own class
+    named (auto_map) under trust_remote_code, the one-device loaders still need room."""
+    from eagle3lib.common.causal_lm import causal_lm_refusal
     from eagle3lib.common.config import REPO_ROOT, load_config
-    from eagle3lib.common.target import causal_lm_refusal
     from eagle3lib.environment.target_fit import transformers_target_check
 
-    cfg = load_config(None, [f"target.model={tiny}", "evaluate.methods=[offline, vllm]"])
-    check = transformers_target_check(cfg, tiny, None)
+    unknown = unknown_text
+    config = json.loads((tiny / "config.json").read_text())
+    cfg = load_config(None, [f"target.model={unknown}", "evaluate.methods=[offline, vllm]"])
+    check = transformers_target_check(cfg, unknown, None)
     assert check.status == "fail" and "'kimi_k25'" in check.detail
     assert "extract.backend: transformers" in check.detail and "evaluate.methods: offline" in check.detail
-    shaped = load_config(REPO_ROOT / "configs" / "kimi-k2.5-shaped-1gpu.yaml", [f"target.model={tiny}"])
-    assert transformers_target_check(shaped, tiny, None).status == "pass"
+    shaped = load_config(REPO_ROOT / "configs" / "kimi-k2.5-shaped-1gpu.yaml", [f"target.model={unknown}"])
+    assert transformers_target_check(shaped, unknown, None).status == "pass"
     with_code = tiny.parent / "with-code"
     with_code.mkdir()
-    config = json.loads((tiny / "config.json").read_text())
-    (with_code / "config.json").write_text(json.dumps({**config, "auto_map": {
+    (with_code / "config.json").write_text(json.dumps({**config, "text_config": {
+        **config["text_config"], "model_type": "not_a_text_model"}, "auto_map": {
         "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}}))
     for f in tiny.glob("*.safetensors"):
         (with_code / f.name).symlink_to(f)
@@ -217,18 +252,19 @@ def test_stage_00_stops_a_setting_that_loads_it_in_transformers_before_any_model
     assert "extract.backend" not in check.detail  # spread over the GPUs with device_map, not one device
 
 
-def test_stage_06s_tie_check_says_why_it_did_not_load_a_target_transformers_cannot(tiny):
-    """Stage 06's serve step checks outputs that differ with the draft and without in transformers; for kimi_k25 it
-    cannot load the target there, so each row says why instead of the step failing after every server ran, and the
-    report card says so."""
+def test_stage_06s_tie_check_says_why_it_did_not_load_a_target_transformers_cannot(unknown_text):
+    """Stage 06's serve step checks outputs that differ with the draft and without in transformers; for a target
+    it cannot load there, each row says why instead of the step failing after every server ran, and the report
+    card says so."""
     from types import SimpleNamespace
 
     from eagle3lib.common.config import load_config
     from eagle3lib.evaluate.serve_asks import tie_check
     from eagle3lib.evaluate.serve_report import section
 
-    cfg = load_config(None, [f"target.model={tiny}"])
-    checked = tie_check(cfg, SimpleNamespace(model_dir=tiny), [[1, 2]], [[3, 4]], {"d": [[3, 5]]}, "cpu")
+    unknown = unknown_text
+    cfg = load_config(None, [f"target.model={unknown}"])
+    checked = tie_check(cfg, SimpleNamespace(model_dir=unknown), [[1, 2]], [[3, 4]], {"d": [[3, 5]]}, "cpu")
     assert checked["d"]["differ_at_a_tie"] is None and "'kimi_k25'" in checked["d"]["not_checked"]
     serve = {"prompts": 1, "settings": {"eagle3 k=3": {"identical": 0, **checked["d"]}}}
     assert "not checked for rounding ties (transformers' AutoModelForCausalLM" in "\n".join(section(serve))

@@ -91,17 +91,16 @@ class TransformersBackend:
         self.device = torch.device(devices[0])
         self.compute_dtype = torch_dtype(cfg.target.dtype, devices[0])
         if model is None:
-            from transformers import AutoModelForCausalLM
+            from eagle3lib.common.causal_lm import load_causal_lm
 
-            kwargs: dict[str, Any] = {"dtype": self.compute_dtype, "trust_remote_code": cfg.target.trust_remote_code}
+            trust = cfg.target.trust_remote_code
             if len(devices) > 1 or (device is None and needs_device_map(model_dir, devices, self.compute_dtype)):
                 # one process over several GPUs: layers spread with device_map (targets larger than one GPU)
-                kwargs["device_map"] = "auto"
-                kwargs["max_memory"] = {torch.device(d).index: torch.cuda.get_device_properties(torch.device(d)).total_memory
-                                        for d in devices}
-                model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+                memory = {torch.device(d).index: torch.cuda.get_device_properties(torch.device(d)).total_memory
+                          for d in devices}
+                model = load_causal_lm(model_dir, trust, dtype=self.compute_dtype, device_map="auto", max_memory=memory)
             else:
-                model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).to(self.device)
+                model = load_causal_lm(model_dir, trust, dtype=self.compute_dtype).to(self.device)
         self.model = model.eval()
         self.base, self.layers = decoder_layers(self.model)
         n = len(self.layers)
