@@ -28,12 +28,13 @@ sys.path.insert(0, str(REPO))
 # vLLM's own log lines naming what it chose (vllm/v1/attention/backends, vllm/model_executor/layers/fused_moe)
 ATTENTION = re.compile(r"Using (\w+) (?:attention )?backend")
 MOE = re.compile(r"(?i)[^\n]*\bmoe\b[^\n]*(?:backend|kernel|config)[^\n]*")
+PREFIX = re.compile(r"^.*?\] ")  # "(EngineCore pid=…) INFO 12-07 08:05:44 [unquantized.py:302] ": who and when
 
 
 def vllm_choices(log: str) -> dict[str, Any]:
     """The attention backends and MoE kernel lines vLLM logged, each once, in order."""
     attention = list(dict.fromkeys(ATTENTION.findall(log)))
-    moe = list(dict.fromkeys(m.strip()[-200:] for m in MOE.findall(log)))
+    moe = list(dict.fromkeys(PREFIX.sub("", m.strip())[-200:] for m in MOE.findall(log)))  # each once, whichever engine logged it
     return {"attention_backend": attention[0] if attention else None, "attention_backends_seen": attention,
             "moe_kernel_lines": moe[:6]}
 

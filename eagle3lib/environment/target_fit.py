@@ -1,8 +1,8 @@
 """Will the target load where the config runs it (stage 00, before any model loads)? Two checks:
 
-- transformers: the settings that load the target with transformers' AutoModelForCausalLM
-  (`transformers_target_uses`) against what transformers can load (common.target.causal_lm_refusal): Kimi-K2.5's
-  `kimi_k25` wrapper without its own code cannot, nor a 1T target onto one GPU.
+- transformers: the settings that load the target in transformers (`transformers_target_uses`) against what it can
+  load (common.causal_lm.causal_lm_refusal: a causal LM, or a multimodal wrapper's text model such as Kimi-K2.5's):
+  a model_type transformers has no class for cannot load, nor a 1T target onto one GPU.
 - vLLM: the checkpoint's weights per GPU at extract's tensor x pipeline parallel sizes against each engine's share
   (extract.gpu_memory_utilization), so a target that cannot fit stops here, not after an 18-minute load.
 
@@ -28,8 +28,8 @@ VLLM_INSTEAD = {"data.generator": "data.generator: vllm", "extract.backend": "ex
 
 
 def transformers_target_uses(cfg: WorkbookConfig) -> list[str]:
-    """The settings under which a stage loads the target with transformers' AutoModelForCausalLM (the others run it
-    in vLLM, or read states from disk)."""
+    """The settings under which a stage loads the target in transformers (common.causal_lm.load_causal_lm; the
+    others run it in vLLM, or read states from disk)."""
     generates = cfg.data.self_distill or any(s.kind == "self_instruct" for s in cfg.data.sources)
     uses = [("data.generator: transformers", generates and cfg.data.generator == "transformers"),
             ("extract.backend: transformers", cfg.extract.backend == "transformers"),
@@ -41,7 +41,7 @@ def transformers_target_uses(cfg: WorkbookConfig) -> list[str]:
 
 def transformers_target_check(cfg: WorkbookConfig, model_dir: Path, gpu_bytes: int | None) -> Check:
     """Fails before any model loads when a setting needs the target in transformers and transformers cannot load
-    it (common.target.causal_lm_refusal; onto one GPU of `gpu_bytes` for ONE_DEVICE_USES), naming each such setting
+    it (common.causal_lm.causal_lm_refusal; onto one GPU of `gpu_bytes` for ONE_DEVICE_USES), naming each such setting
     and the vLLM one to use instead."""
     uses = transformers_target_uses(cfg)
     one_device = [u for u in uses if u.startswith(ONE_DEVICE_USES)]
@@ -49,7 +49,7 @@ def transformers_target_check(cfg: WorkbookConfig, model_dir: Path, gpu_bytes: i
     if refusal is None and one_device:
         refusal, blocked = causal_lm_refusal(model_dir, cfg.target.trust_remote_code, gpu_bytes), one_device
     if refusal is None or not uses:
-        return Check("transformers target", "pass", f"AutoModelForCausalLM loads it ({', '.join(uses)})" if uses
+        return Check("transformers target", "pass", f"transformers loads it ({', '.join(uses)})" if uses
                      else "not needed: every stage runs the target in vLLM or reads its states from disk")
     fixes = dict.fromkeys(VLLM_INSTEAD[use.split(":")[0]] for use in blocked)
     return Check("transformers target", "fail", f"{refusal}, but {', '.join(blocked)} load it there — fix: "

@@ -379,3 +379,23 @@ def test_vllm_loads_it_and_the_capture_worker_matches_transformers_kimi_k25(tiny
             assert got[row].shape == ref.shape and cos.min() > 0.9999, (row, cos.min(dim=0).values.tolist())
     finally:
         hook.remove()
+
+
+def test_the_benchmark_reads_vllms_choices_once_from_every_engines_log():
+    """benchmarks/kimi_shaped.py names the attention backend and MoE kernel from vLLM's INFO lines (their formats:
+    vllm/platforms/cuda.py get_attn_backend_cls, fused_moe/oracle/unquantized.py), each line once however many
+    engines (capture, evaluation, servers) logged it."""
+    spec = importlib.util.spec_from_file_location("kimi_bench", SCRIPT.parents[1] / "benchmarks" / "kimi_shaped.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    engine = ("(EngineCore pid={pid}) INFO 12-07 08:05:44 [cuda.py:481] Using {name} attention backend out of "
+              "potential backends: ['{name}', 'TRITON_MLA'].\n"
+              "(EngineCore pid={pid}) INFO 12-07 08:05:45 [unquantized.py:302] Using TRITON Unquantized MoE backend "
+              "out of potential backends: ['TRITON', 'BATCHED_TRITON'].\n"
+              "(EngineCore pid={pid}) INFO 12-07 08:05:45 [cuda.py:350] Using FLASH_ATTN MLA prefill backend\n")
+    log = engine.format(pid=1558, name="FLASH_ATTN_MLA") + engine.format(pid=4754, name="FLASH_ATTN")
+    got = bench.vllm_choices(log)
+    assert got["attention_backend"] == "FLASH_ATTN_MLA" and got["attention_backends_seen"] == ["FLASH_ATTN_MLA",
+                                                                                               "FLASH_ATTN"]
+    assert got["moe_kernel_lines"] == ["Using TRITON Unquantized MoE backend out of potential backends: "
+                                       "['TRITON', 'BATCHED_TRITON']."]
