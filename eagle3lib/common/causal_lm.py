@@ -14,6 +14,7 @@ its tensors sit under one prefix (`language_model.`) that from_pretrained's `key
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,13 @@ def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: in
     return None
 
 
+class _WithoutLoadReport(logging.Filter):
+    """Drops transformers' weight-loading report (transformers/utils/loading_report.py) and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
 def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: Any) -> Any:
     """The target as transformers' causal LM (`kwargs`: from_pretrained's, e.g. dtype, device_map): a wrapper as
     its text model alone (`text_tower`), with one clear error when a text tensor is not in the checkpoint."""
@@ -94,9 +102,17 @@ def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: A
     if tower is None:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, **kwargs)
     text, prefix = tower
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), config=AutoConfig.for_model(**text), key_mapping={f"^{re.escape(prefix)}": ""},
-        output_loading_info=True, **kwargs)
+    # transformers reports the wrapper's other tensors (the vision tower) as UNEXPECTED, a table of them on every
+    # load; they are left out by design, and a missing text tensor is this function's own error below
+    report = logging.getLogger("transformers.modeling_utils")
+    quiet = _WithoutLoadReport()
+    report.addFilter(quiet)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), config=AutoConfig.for_model(**text), key_mapping={f"^{re.escape(prefix)}": ""},
+            output_loading_info=True, **kwargs)
+    finally:
+        report.removeFilter(quiet)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise WorkbookError(f"{model_dir}'s text model ({text['model_type']} under '{prefix}') lacks "

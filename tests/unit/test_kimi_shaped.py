@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -189,7 +190,7 @@ def test_the_workbook_reads_it_as_a_kimi_k25_wrapper(tiny):
 def test_transformers_loads_its_text_model_as_kimi_k25s_language_model(tiny):
     """kimi_k25 has no causal-LM class in transformers, its text model has one (DeepseekV3): every stage that loads
     the target in transformers (the capture probe's reference among them) gets that text model, with every text
-    tensor of the checkpoint, and its logits equal transformers' own Kimi_K25 wrapper's on the same files (an
+    tensor of the checkpoint and no table of the vision tower's tensors in the output, and its logits equal transformers' own Kimi_K25 wrapper's on the same files (an
     independent reader of the names)."""
     from transformers import AutoModelForImageTextToText
 
@@ -197,7 +198,15 @@ def test_transformers_loads_its_text_model_as_kimi_k25s_language_model(tiny):
 
     assert causal_lm_refusal(tiny, False) is None
     assert text_tower(tiny)[1] == "language_model."
-    lm = load_causal_lm(tiny, dtype=torch.float32).eval()
+    seen: list[str] = []  # transformers' messages while loading: no report of the vision tower's tensors
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("transformers.modeling_utils").addHandler(handler)
+    try:
+        lm = load_causal_lm(tiny, dtype=torch.float32).eval()
+    finally:
+        logging.getLogger("transformers.modeling_utils").removeHandler(handler)
+    assert not [m for m in seen if "vision_tower" in m], seen
     assert type(lm).__name__ == "DeepseekV3ForCausalLM" and len(lm.model.layers) == TINY["layers"]
     wrapper = AutoModelForImageTextToText.from_pretrained(str(tiny), dtype=torch.float32).eval()
     ids = torch.randint(0, 49000, (1, 23), generator=torch.Generator().manual_seed(0))
