@@ -50,12 +50,14 @@ def checkpoint_keys(model_dir: Path) -> list[str]:
 
 
 def text_tower(model_dir: Path) -> tuple[dict[str, Any], str] | None:
-    """(the text model's config, its tensors' prefix) of a multimodal wrapper without a causal-LM class of its own
-    whose text model has one; None for any other checkpoint."""
+    """(the text model's config, its tensors' prefix) of an unquantized multimodal wrapper without a causal-LM class
+    of its own whose text model has one; None for any other checkpoint."""
     cfg = read_hf_config(model_dir)
     text = cfg.get("text_config")
     if not isinstance(text, dict) or cfg.get("model_type") in _causal_lm_types():
         return None
+    if "quantization_config" in cfg or "quantization_config" in text:
+        return None  # e.g. Kimi-K2.5's INT4 experts: its quantization config names the wrapper's tensors, not these
     model_type = TEXT_MODEL_TYPES.get(text.get("model_type"), text.get("model_type"))
     if model_type not in _causal_lm_types():
         return None

@@ -198,6 +198,13 @@ def test_transformers_loads_its_text_model_as_kimi_k25s_language_model(tiny):
 
     assert causal_lm_refusal(tiny, False) is None
     assert text_tower(tiny)[1] == "language_model."
+    quantized = tiny.parent / "quantized"  # Kimi-K2.5's own release: INT4 experts under the wrapper's names
+    quantized.mkdir()
+    config = json.loads((tiny / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "compressed-tensors"}}))
+    (quantized / "model.safetensors.index.json").symlink_to(tiny / "model.safetensors.index.json")
+    assert text_tower(quantized) is None and "'kimi_k25'" in causal_lm_refusal(quantized, False)
     seen: list[str] = []  # transformers' messages while loading: no report of the vision tower's tensors
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
