@@ -13,14 +13,13 @@ its tensors sit under one prefix (`language_model.`) that from_pretrained's `key
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
 from eagle3lib.common.errors import WorkbookError
-from eagle3lib.common.target import read_hf_config, weights_bytes
+from eagle3lib.common.target import checkpoint_weight_map, read_hf_config, weights_bytes
 
 # of one device's memory a transformers target's weights may take (the rest: activations, the draft)
 ONE_DEVICE_SHARE = 0.9
@@ -35,20 +34,6 @@ def _causal_lm_types() -> dict[str, str]:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def checkpoint_keys(model_dir: Path) -> list[str]:
-    """The checkpoint's tensor names, from its index or its safetensors headers (no tensor is read)."""
-    index = Path(model_dir) / "model.safetensors.index.json"
-    if index.exists():
-        return list(json.loads(index.read_text())["weight_map"])
-    from safetensors import safe_open
-
-    keys: list[str] = []
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            keys.extend(st.keys())
-    return keys
-
-
 def text_tower(model_dir: Path) -> tuple[dict[str, Any], str] | None:
     """(the text model's config, its tensors' prefix) of an unquantized multimodal wrapper without a causal-LM class
     of its own whose text model has one; None for any other checkpoint."""
@@ -61,12 +46,17 @@ def text_tower(model_dir: Path) -> tuple[dict[str, Any], str] | None:
     model_type = TEXT_MODEL_TYPES.get(text.get("model_type"), text.get("model_type"))
     if model_type not in _causal_lm_types():
         return None
-    prefixes = {k[: -len(EMBED_KEY)] for k in checkpoint_keys(model_dir) if k == EMBED_KEY or k.endswith("." + EMBED_KEY)}
+    try:
+        keys = checkpoint_weight_map(model_dir)
+    except WorkbookError:  # no safetensors index or file to find the text model's tensors in
+        return None
+    prefixes = {k[: -len(EMBED_KEY)] for k in keys if k == EMBED_KEY or k.endswith("." + EMBED_KEY)}
     return ({**text, "model_type": model_type}, prefixes.pop()) if len(prefixes) == 1 else None
 
 
-def _remote(cfg: dict[str, Any], trust_remote_code: bool) -> bool:
-    return trust_remote_code and "AutoModelForCausalLM" in (cfg.get("auto_map") or {})
+def _auto_mapped(cfg: dict[str, Any]) -> bool:
+    """The checkpoint names its own causal-LM class (remote code, loaded only under target.trust_remote_code)."""
+    return "AutoModelForCausalLM" in (cfg.get("auto_map") or {})
 
 
 def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: int | None = None) -> str | None:
@@ -76,8 +66,8 @@ def causal_lm_refusal(model_dir: Path, trust_remote_code: bool, device_bytes: in
     would otherwise find out only when the stage that loads it starts."""
     cfg = read_hf_config(model_dir)
     model_type = cfg.get("model_type", "?")
-    if not (model_type in _causal_lm_types() or _remote(cfg, trust_remote_code) or text_tower(model_dir)):
-        mapped = "AutoModelForCausalLM" in (cfg.get("auto_map") or {})
+    mapped = _auto_mapped(cfg)
+    if not (model_type in _causal_lm_types() or (mapped and trust_remote_code) or text_tower(model_dir)):
         return (f"transformers' AutoModelForCausalLM has no class for model_type {model_type!r}"
                 + (" without the checkpoint's own code (target.trust_remote_code is off: true runs that code)" if mapped
                    else " and the checkpoint's config names none (no auto_map entry)"))
@@ -100,7 +90,7 @@ def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: A
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = read_hf_config(model_dir)
-    tower = None if _remote(cfg, trust_remote_code) else text_tower(model_dir)
+    tower = None if trust_remote_code and _auto_mapped(cfg) else text_tower(model_dir)
     if tower is None:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, **kwargs)
     text, prefix = tower

@@ -42,6 +42,9 @@ def resolve_model_path(target: TargetSection) -> Path:
     return path
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
 def checkpoint_bytes(model_dir: Path) -> int:
     """Bytes of the checkpoint's weight files: its *.safetensors, or its *.bin where it has none. What decides
     whether a target fits one GPU (stage 02) and whether stage 04 cross-checks against a full transformers load."""
@@ -50,10 +53,37 @@ def checkpoint_bytes(model_dir: Path) -> int:
         p.stat().st_size for p in model_dir.glob("*.bin"))
 
 
+def checkpoint_weight_map(model_dir: Path) -> dict[str, str]:
+    """{tensor key: safetensors file name} without reading any tensor: from the index when the checkpoint is
+    sharded, else from the header of the single file (or of each *.safetensors file when there is no index)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WorkbookError(f"{index} is not a safetensors index ({e.__class__.__name__})",
+                                "restore the checkpoint's model.safetensors.index.json") from None
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in model_dir.iterdir())[:8] if model_dir.is_dir() else []
+        raise WorkbookError(
+            f"no safetensors weights in {model_dir} (found: {', '.join(found) or 'nothing'})",
+            "point target.model at an HF checkpoint saved as safetensors (save_pretrained(..., safe_serialization=True))",
+        )
+    from safetensors import safe_open
+
+    weight_map: dict[str, str] = {}
+    for f in files:  # header only: safe_open maps the file, keys() reads no tensor data
+        with safe_open(str(f), framework="pt") as handle:
+            weight_map.update(dict.fromkeys(handle.keys(), f.name))
+    return weight_map
+
+
 def weights_bytes(model_dir: Path) -> int:
     """The checkpoint's weights in bytes as it stores them (its own dtype and quantization): the safetensors index's
     `metadata.total_size` where there is one (readable before every shard is on disk), else `checkpoint_bytes`."""
-    index = Path(model_dir) / "model.safetensors.index.json"
+    index = Path(model_dir) / INDEX_FILE
     if index.is_file():
         total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
         if total:

@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 
 from eagle3lib.common import atomic
 from eagle3lib.common.errors import WorkbookError
+from eagle3lib.common.target import INDEX_FILE, checkpoint_weight_map
 
 EMBED_KEY = "model.embed_tokens.weight"
 NORM_KEY = "model.norm.weight"
 LM_HEAD_KEY = "lm_head.weight"
 WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 # Last name of a module that holds each role, in the naming schemes we know (HF Llama/Qwen/DeepSeek/Mistral,
@@ -51,31 +51,6 @@ TRANSFORMERS_CHECK_AUTO_MAX_BYTES = 4 * 1024**3
 # --------------------------------------------------------------------------------------------------------------
 # Reading the checkpoint
 # --------------------------------------------------------------------------------------------------------------
-
-
-def checkpoint_weight_map(model_dir: Path) -> dict[str, str]:
-    """{tensor key: safetensors file name} without reading any tensor: from the index when the checkpoint is
-    sharded, else from the header of the single file (or of each *.safetensors file when there is no index)."""
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError) as e:
-            raise WorkbookError(f"{index} is not a safetensors index ({e.__class__.__name__})",
-                                "restore the checkpoint's model.safetensors.index.json") from None
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        found = sorted(p.name for p in model_dir.iterdir())[:8] if model_dir.is_dir() else []
-        raise WorkbookError(
-            f"no safetensors weights in {model_dir} (found: {', '.join(found) or 'nothing'})",
-            "point target.model at an HF checkpoint saved as safetensors (save_pretrained(..., safe_serialization=True))",
-        )
-    weight_map: dict[str, str] = {}
-    for f in files:  # header only: safe_open maps the file, keys() reads no tensor data
-        with safe_open(str(f), framework="pt") as handle:
-            weight_map.update(dict.fromkeys(handle.keys(), f.name))
-    return weight_map
 
 
 def _base_of(key: str) -> str | None:
