@@ -34,7 +34,8 @@ PREFIX = re.compile(r"^.*?\] ")  # "(EngineCore pid=…) INFO 12-07 08:05:44 [un
 def vllm_choices(log: str) -> dict[str, Any]:
     """The attention backends and MoE kernel lines vLLM logged, each once, in order."""
     attention = list(dict.fromkeys(ATTENTION.findall(log)))
-    moe = list(dict.fromkeys(PREFIX.sub("", m.strip())[-200:] for m in MOE.findall(log)))  # each once, whichever engine logged it
+    # each line once, whichever engine (capture, evaluation, servers) logged it
+    moe = list(dict.fromkeys(PREFIX.sub("", m.strip())[-200:] for m in MOE.findall(log)))
     return {"attention_backend": attention[0] if attention else None, "attention_backends_seen": attention,
             "moe_kernel_lines": moe[:6]}
 
