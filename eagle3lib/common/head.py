@@ -3,8 +3,8 @@
 Why one module below the stages: stage 02's capture probe (eagle3lib.extract.probe) checks the captured final slot
 against the engine's own next-token distribution through this head, and stage 06's offline acceptance
 (eagle3lib.evaluate.decoder) takes the target's argmax from it. Both must apply the same rule, and stage 02 must not
-import stage 06 to get it. The tensors come from stage 04's reader (`eagle3lib.verifier.weights`: `read_head` for
-the verifier folder, `read_checkpoint_head` straight from the checkpoint).
+import stage 06 to get it. The tensors come from `eagle3lib.verifier.read_head` (stage 04's verifier folder) or
+`eagle3lib.common.checkpoint_head.read_checkpoint_head` (straight from the checkpoint).
 
 The rule is RMSNorm (x * rsqrt(mean(x^2) + eps) * weight) then lm_head, in float32: what Llama, Qwen, Mistral and
 DeepSeek do, and what speculators applies to `verifier_last_hidden_states`. A target whose head differs (Gemma's

@@ -94,7 +94,7 @@ HARMLESS_LOGS: tuple[Harmless, ...] = (
     Harmless("speculators.utils.loading", r"Tensor 'lm_head\.weight' not found in weight_map",
              "the target ties its lm_head to the embedding, so the checkpoint holds none and speculators uses the "
              "embedding, as transformers does; an untied checkpoint without lm_head never gets here: stage 04 "
-             "refuses it (verifier.weights.resolve_keys)"),
+             "refuses it (common.checkpoint_head.resolve_keys)"),
 )
 
 # Python warnings that are ignored.

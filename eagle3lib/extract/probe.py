@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from eagle3lib.common import atomic
+from eagle3lib.common.checkpoint_head import read_checkpoint_head
 from eagle3lib.common.config import WorkbookConfig
 from eagle3lib.common.errors import WorkbookError
 
@@ -168,8 +169,6 @@ def observe(cfg: WorkbookConfig, backend: Any, model_dir: Path, layer_ids: list[
         nonlocal mark
         now = time.perf_counter()
         seconds[phase], mark = now - mark, now
-
-    from eagle3lib.verifier.weights import read_checkpoint_head
 
     # the head (~2 GB bf16 for an 8B target: embedding and lm_head) is read while the engine captures the probe rows
     reading = ThreadPoolExecutor(1, thread_name_prefix="probe-head")

@@ -2,8 +2,8 @@
 is measured, the tolerances, the checks, and the one error a failure raises.
 
 - Final state, at any scale. The captured final slot (the last layer's output before the final norm), through the
-  target's final norm and lm_head read from the checkpoint without loading the model (eagle3lib.common.head; the tensors of
-  stage 04's reader), must reproduce the engine's own next-token distribution on the same tokens: vLLM's logprobs
+  target's final norm and lm_head read from the checkpoint without loading the model (eagle3lib.common.head; the tensors from
+  eagle3lib.common.checkpoint_head), must reproduce the engine's own next-token distribution on the same tokens: vLLM's logprobs
   from the same engine and the same forwards (prompt logprobs for the first, longest row, compared at up to 256
   evenly spaced positions; the sampled token's logprobs for the others, because a request asking for prompt
   logprobs never reads the prefix cache and the others must run as the extraction will), transformers' logits of

@@ -4,7 +4,8 @@ Why a stage of its own: the EAGLE-3 draft reuses three tensors of the target (th
 distils, and the final norm it applies to the verifier's last hidden state) and predicts over a pruned vocabulary.
 Reading those three must not load the target: for Kimi-K2.5 the checkpoint is hundreds of GB of INT4 experts, while
 the three tensors are a few GB of bf16. So we read the safetensors index, open only the shard(s) holding them and
-`get_tensor` just those keys (memory = those tensors), whatever prefix a wrapper puts on the names.
+`get_tensor` just those keys (memory = those tensors), whatever prefix a wrapper puts on the names. That reader is
+eagle3lib.common.checkpoint_head, below the stages, because stage 02's capture probe needs the same tensors earlier.
 
 What it writes (run directory):
     verifier/                 (weights.py) a minimal verifier folder, usable as speculators' `--verifier-name-or-path`

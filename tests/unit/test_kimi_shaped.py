@@ -170,10 +170,10 @@ def test_the_tiny_checkpoint_holds_what_its_config_names(tiny, smollm2_dir):
 
 
 def test_the_workbook_reads_it_as_a_kimi_k25_wrapper(tiny):
+    from eagle3lib.common.checkpoint_head import read_verifier_tensors
     from eagle3lib.common.config import TargetSection
     from eagle3lib.common.target import check_tokenizer, describe_target
     from eagle3lib.extract.backends.adapters import select_adapter
-    from eagle3lib.verifier.weights import read_verifier_tensors
 
     info = describe_target(tiny)
     assert (info.model_type, info.multimodal_wrapper, info.num_experts) == ("kimi_k25", True, TINY["experts"])

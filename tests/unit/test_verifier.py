@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3lib import verifier
+from eagle3lib.common import checkpoint_head
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.verifier import draft_vocab, weights
 
@@ -30,7 +31,7 @@ def transformers_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
             "norm": model.model.norm.weight.detach().clone()}
 
 
-def assert_same(vt: weights.VerifierTensors, ref: dict[str, torch.Tensor]) -> None:
+def assert_same(vt: checkpoint_head.VerifierTensors, ref: dict[str, torch.Tensor]) -> None:
     for name in ("embed", "lm_head", "norm"):
         got = getattr(vt, name)
         assert got.dtype == ref[name].dtype, name
@@ -84,7 +85,7 @@ def tiny_untied(tmp_path_factory) -> Path:
 
 
 def test_single_file_equals_transformers(tiny_untied):
-    vt = weights.read_verifier_tensors(tiny_untied)
+    vt = checkpoint_head.read_verifier_tensors(tiny_untied)
     assert vt.files_opened == ["model.safetensors"]
     assert not vt.tied
     assert (vt.keys.embed, vt.keys.lm_head, vt.keys.norm) == ("model.embed_tokens.weight", "lm_head.weight",
@@ -100,14 +101,14 @@ def test_sharded_opens_only_the_shards_that_hold_them(tmp_path, monkeypatch):
     assert len(all_shards) >= 4 and len(needed) < len(all_shards)
 
     opened: list[str] = []
-    real_safe_open = weights.safe_open
+    real_safe_open = checkpoint_head.safe_open
 
     def recording_safe_open(path, *args, **kwargs):  # records, then opens for real
         opened.append(Path(path).name)
         return real_safe_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(weights, "safe_open", recording_safe_open)
-    vt = weights.read_verifier_tensors(model_dir)
+    monkeypatch.setattr(checkpoint_head, "safe_open", recording_safe_open)
+    vt = checkpoint_head.read_verifier_tensors(model_dir)
     monkeypatch.undo()
     assert set(opened) == needed == set(vt.files_opened)
     assert_same(vt, transformers_tensors(model_dir))
@@ -116,7 +117,7 @@ def test_sharded_opens_only_the_shards_that_hold_them(tmp_path, monkeypatch):
 def test_tied_uses_the_embedding(tmp_path):
     model_dir = build_tiny_llama(tmp_path / "tied", tie=True)
     assert "lm_head.weight" not in load_file(str(model_dir / "model.safetensors"))
-    vt = weights.read_verifier_tensors(model_dir)
+    vt = checkpoint_head.read_verifier_tensors(model_dir)
     assert vt.tied and vt.keys.lm_head is None
     assert_same(vt, transformers_tensors(model_dir))
     vt2, info = weights.extract_verifier(model_dir, tmp_path / "verifier")
@@ -126,7 +127,7 @@ def test_tied_uses_the_embedding(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes_are_kept(tmp_path, dtype):
     model_dir = save_tiny(tmp_path / "half", dtype=dtype)
-    vt = weights.read_verifier_tensors(model_dir)
+    vt = checkpoint_head.read_verifier_tensors(model_dir)
     assert vt.embed.dtype == dtype
     assert_same(vt, transformers_tensors(model_dir))
 
@@ -147,7 +148,7 @@ def test_prefixed_names_with_decoys(tiny_untied, tmp_path, layout):
               "vision_tower.embeddings.patch_embedding.weight": torch.zeros(8, 3),
               "vision_tower.post_layernorm.weight": torch.zeros(8), "vision_tower.norm.weight": torch.zeros(8)}
     model_dir = rewrite_checkpoint(tiny_untied, tmp_path / "prefixed", rename, decoys, shards=3)
-    vt = weights.read_verifier_tensors(model_dir)
+    vt = checkpoint_head.read_verifier_tensors(model_dir)
     assert vt.keys.embed == f"{layout}embed_tokens.weight"
     assert vt.keys.norm == f"{layout}norm.weight"
     assert vt.keys.lm_head == head
@@ -199,38 +200,38 @@ def test_quantized_lm_head_is_refused(tiny_untied, tmp_path):
     save_file(sd, str(src / "model.safetensors"))
     (src / "config.json").write_text((tiny_untied / "config.json").read_text())
     with pytest.raises(WorkbookError, match=r"lm_head .* is quantized \(lm_head.weight_packed"):
-        weights.read_verifier_tensors(src)
+        checkpoint_head.read_verifier_tensors(src)
     fp8 = rewrite_checkpoint(tiny_untied, tmp_path / "fp8", lambda k: k, drop=lambda k: k == "lm_head.weight",
                              extra={"lm_head.weight": original["lm_head.weight"].to(torch.float8_e4m3fn)})
     with pytest.raises(WorkbookError, match=r"lm_head.weight .* stored as F8_E4M3, i.e. quantized"):
-        weights.read_verifier_tensors(fp8)
+        checkpoint_head.read_verifier_tensors(fp8)
 
 
 def test_missing_tensors_name_the_keys_found(tiny_untied, tmp_path):
     no_norm = rewrite_checkpoint(tiny_untied, tmp_path / "no_norm", lambda k: k, drop=lambda k: k == "model.norm.weight")
     with pytest.raises(WorkbookError, match=r"no final norm .*keys found: (?=.*model\.embed_tokens\.weight)(?=.*lm_head\.weight)"):
-        weights.read_verifier_tensors(no_norm)
+        checkpoint_head.read_verifier_tensors(no_norm)
     no_embed = rewrite_checkpoint(tiny_untied, tmp_path / "no_embed", lambda k: k,
                                   drop=lambda k: "embed_tokens" in k)
     with pytest.raises(WorkbookError, match=r"no token embedding .*keys found: (?=.*lm_head\.weight)(?=.*model\.norm\.weight)"):
-        weights.read_verifier_tensors(no_embed)
+        checkpoint_head.read_verifier_tensors(no_embed)
     # untied config, lm_head gone (a shard not downloaded): not silently tied
     no_head = rewrite_checkpoint(tiny_untied, tmp_path / "no_head", lambda k: k, drop=lambda k: k == "lm_head.weight")
     with pytest.raises(WorkbookError, match=r"no lm_head .*tie_word_embeddings: false; keys found: .*embed_tokens"):
-        weights.read_verifier_tensors(no_head)
+        checkpoint_head.read_verifier_tensors(no_head)
     # a shard named by the index but absent
     sharded = rewrite_checkpoint(tiny_untied, tmp_path / "sharded", lambda k: k, shards=3)
     shard = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
     (sharded / shard).unlink()
     with pytest.raises(WorkbookError, match="is missing"):
-        weights.read_verifier_tensors(sharded)
+        checkpoint_head.read_verifier_tensors(sharded)
 
 
 def test_no_safetensors_at_all(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(WorkbookError, match=r"no safetensors weights .*pytorch_model\.bin"):
-        weights.read_verifier_tensors(tmp_path)
+        checkpoint_head.read_verifier_tensors(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------ draft vocabulary

@@ -121,8 +121,8 @@ def swap_slots(i: int, j: int):
 
 def post_norm_final(model_dir: Path):
     """The final slot replaced by what comes out of the target's final norm (weights from the checkpoint)."""
+    from eagle3lib.common.checkpoint_head import read_checkpoint_head
     from eagle3lib.common.head import final_norm
-    from eagle3lib.verifier.weights import read_checkpoint_head
 
     _, norm_w, _, eps = read_checkpoint_head(model_dir)
 
