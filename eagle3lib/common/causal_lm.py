@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from eagle3lib.common.checkpoint_head import EMBED_KEY  # the text model's embedding, under a wrapper's prefix
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.target import checkpoint_weight_map, read_hf_config, weights_bytes
 
@@ -25,7 +26,6 @@ from eagle3lib.common.target import checkpoint_weight_map, read_hf_config, weigh
 ONE_DEVICE_SHARE = 0.9
 # a wrapper's text model_type -> the causal LM transformers builds for it (configuration_kimi_k25.py, see above)
 TEXT_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
-EMBED_KEY = "model.embed_tokens.weight"  # the text model's embedding, under the wrapper's prefix
 
 
 def _causal_lm_types() -> dict[str, str]:
