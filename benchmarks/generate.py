@@ -218,7 +218,8 @@ def first_turns(cfg: Any, tok: Any, n: int) -> list[tuple[str, float]]:
     """(text, temperature) of the first user turn of the conversations --multi-turn self-distills: the turns up to
     and including it, rendered as self-distillation renders them, at the temperature it gives the conversation; each
     distinct text once (self-distillation asks for a repeated history once)."""
-    from eagle3lib.extract.prepare import _render, reply_temperature
+    from eagle3lib.extract.prepare import reply_temperature
+    from eagle3lib.extract.rows import render
 
     temps = cfg.data.gen_temperatures or [cfg.data.gen_temperature]
     out: dict[str, float] = {}
@@ -226,7 +227,7 @@ def first_turns(cfg: Any, tok: Any, n: int) -> list[tuple[str, float]]:
         sk = [m for m in conv if m["role"] != "assistant"]
         first = next((i for i, m in enumerate(sk) if m["role"] == "user"), None)
         if first is not None:
-            out.setdefault(_render(tok, sk[:first + 1], add_generation_prompt=True), reply_temperature(sk, temps))
+            out.setdefault(render(tok, sk[:first + 1], add_generation_prompt=True), reply_temperature(sk, temps))
     return list(out.items())
 
 

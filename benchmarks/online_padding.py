@@ -36,7 +36,7 @@ def row_lengths(run: Path) -> tuple[list[int], str]:
 
         return [len(ids) for ids in load_from_disk(str(dataset))["input_ids"]], "its stage 02 dataset"
     from eagle3lib.common.target import load_tokenizer, resolve_model_path
-    from eagle3lib.extract.prepare import tokenize_conversations
+    from eagle3lib.extract.rows import tokenize_conversations
 
     tok = load_tokenizer(cfg.target, resolve_model_path(cfg.target))
     convs = [json.loads(line)["messages"] for line in (run / "data" / "train.jsonl").open()]

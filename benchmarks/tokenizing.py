@@ -1,5 +1,5 @@
 """Benchmark (not a test): stage 02's tokenizing of a run's conversations, one conversation at a time
-(`prepare.tokenize_conversation` in a loop) against `prepare.tokenize_conversations` (the encoder on several threads),
+(`rows.tokenize_conversation` in a loop) against `rows.tokenize_conversations` (the encoder on several threads),
 in one run, on the same conversations; checks that both give the same ids and loss masks.
 
     python benchmarks/tokenizing.py --run-dir outputs/qwen15-x4-replay --rows 6000 \
@@ -34,7 +34,7 @@ def main() -> int:
 
     from eagle3lib.common.config import load_run_config
     from eagle3lib.common.target import load_tokenizer, resolve_model_path
-    from eagle3lib.extract.prepare import tokenize_conversation, tokenize_conversations
+    from eagle3lib.extract.rows import tokenize_conversation, tokenize_conversations
 
     run = args.run_dir.resolve()
     cfg = load_run_config(run / "config.yaml", run.name)

@@ -143,10 +143,12 @@ class DataSection(Section):
         "engine's CPU-side work, not the GPU: SmolLM2-135M on one H200 wrote 28.1k tok/s with 1 engine, 39.5k with 2 (x1.41, "
         "docs/gpu.md#several-generation-engines). Greedy replies do not depend on it, sampled ones do.")
     max_repeated_share: float | None = Field(
-        None, gt=0.0, le=1.0, description="Drop a training conversation whose trained-on tokens repeat more than this "
-        "share of their 8-grams (extract.prepare.repeated_share: a greedy reply looping to the token limit); None "
-        "keeps every one. Stage 02 counts them either way (`looping_rows`): about 4% of the 1.5B recipe's replies "
-        "pass 0.3. Whether dropping them raises held-out tau is not measured yet.")
+        None, gt=0.0, le=1.0, description="Leave out of the loss an assistant reply that repeats more than this share "
+        "of its 8-grams (extract.rows.repeated_share, per reply: a greedy reply looping to the token limit); its "
+        "conversation stays as context, and one left with nothing to learn is dropped. None trains on every reply. "
+        "Stage 02 counts them either way (`looping_replies`): of the 1.5B recipe's 20,560 replies 15% pass 0.3 and 9% "
+        "pass 0.5, a quarter of its trained-on tokens. Whether leaving them out raises held-out tau is not measured "
+        "yet (docs/results.md: dropping whole conversations instead lost half the tokens and 0.13 of tau).")
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0,
         description="Share of the training conversations kept as validation rows (the dataset's trailing rows).",

@@ -11,8 +11,8 @@ Pipeline (`prepare`), in this order on purpose:
 3. self-distillation: the target regenerates every assistant turn (batched transformers `generate`, left padding),
    because a draft learns best the distribution it will have to predict — the target's own replies. Replies are
    cached in `data/distill_cache.jsonl` so a killed run does not generate them twice;
-4. tokenize with the target's chat template; `loss_mask` = 1 exactly on the characters of assistant turns (found by
-   rendering prefixes of the conversation and mapping character offsets to tokens), truncate to `max_length`;
+4. tokenize with the target's chat template (`eagle3lib.extract.rows`): `loss_mask` = 1 exactly on the characters of
+   assistant turns, truncated to `max_length`, a looping reply left out of the loss with data.max_repeated_share;
 5. the last `val_fraction` of the rows are validation rows (speculators splits a dataset by a trailing ratio).
 """
 
@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from eagle3lib.common import atomic, jsonl
-from eagle3lib.common.config import GENERATED_KINDS, DataSection, WorkbookConfig
+from eagle3lib.common.config import GENERATED_KINDS, WorkbookConfig
 from eagle3lib.common.errors import WorkbookError
 from eagle3lib.common.sources import first_prompt, prompt_key, read_benchmark, read_sources
 from eagle3lib.common.target import load_tokenizer
@@ -49,6 +45,7 @@ from eagle3lib.extract.generators import (
     new_stats,
     read_cache,
 )
+from eagle3lib.extract.rows import render, training_rows
 
 
 def make_generator(cfg: WorkbookConfig, model_dir: Path, tok: Any) -> Generator:
@@ -136,81 +133,6 @@ def drop_overlapping(pool: list[dict[str, Any]], index: EvalIndex) -> tuple[list
     return kept, dropped
 
 
-# ------------------------------------------------------------------------------------------------ tokenization
-def _render(tok, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation rendered with the chat template, and the character spans of its assistant turns.
-
-    Why prefixes: chat templates differ in how they wrap turns, but every template we know renders a conversation's
-    prefix as a prefix of its full rendering. The assistant turn i then spans the characters between
-    render(messages[:i], generation prompt) and render(messages[:i+1]) — its text and end-of-turn marker, not the
-    role header. The spans come out in order and disjoint.
-    """
-    text = _render(tok, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start_text = _render(tok, messages[:i], add_generation_prompt=True)
-        end_text = _render(tok, messages[: i + 1])
-        if not (text.startswith(start_text) and text.startswith(end_text) and len(start_text) <= len(end_text)):
-            raise WorkbookError("the chat template does not render conversation prefixes as prefixes of the whole",
-                                "use a tokenizer whose chat template is prefix-stable, or pre-tokenize the data")
-        spans.append((len(start_text), len(end_text)))
-    return text, spans
-
-
-def span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 on each token whose characters overlap an assistant span (a token straddling a turn boundary counts), 0
-    elsewhere and on tokens without characters. `spans` in order and disjoint: for each token the only span that can
-    overlap it first is the first one ending after the token starts (a binary search, not a scan of every span)."""
-    if not spans or not offsets:
-        return [0] * len(offsets)
-    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    starts, ends = (np.asarray(x, dtype=np.int64) for x in zip(*spans, strict=True))
-    first, last = off[:, 0], off[:, 1]
-    j = np.minimum(np.searchsorted(ends, first, side="right"), len(spans) - 1)
-    hit = (last > first) & (ends[j] > first) & (starts[j] < last)
-    return hit.astype(np.int64).tolist()
-
-
-def tokenize_conversation(tok, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) for one conversation, truncated to max_length; loss_mask = 1 on the tokens of
-    assistant turns only (`assistant_spans`, mapped to tokens by the tokenizer's character offsets)."""
-    text, spans = assistant_spans(tok, messages)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    return enc["input_ids"][:max_length], span_mask(enc["offset_mapping"], spans)[:max_length]
-
-
-def tokenize_conversations(tok, convs: list[list[dict[str, str]]], threads: int | None = None,
-                           chunk: int = 256) -> list[tuple[list[int], list[int]]]:
-    """`tokenize_conversation` of every conversation, untruncated, with the encoding on `threads` threads (default:
-    up to 8 cores): the fast tokenizer's Rust encoder releases the GIL, so chunks of texts encode side by side while
-    the chat template renders here. TOKENIZERS_PARALLELISM stays off (the run's engines fork). The 1.5B's 4x data
-    (54k conversations) spent ~80% of its data preparation in this step, one conversation at a time; threads made it
-    about twice as fast on 2 CPU cores, more with more cores (docs/results.md)."""
-    if not getattr(tok, "is_fast", False):  # no Rust encoder to share out: one conversation at a time
-        return [tokenize_conversation(tok, c, 10**9) for c in convs]
-    rendered = [assistant_spans(tok, c) for c in convs]
-    # a copy of the Rust tokenizer without padding or truncation: transformers leaves on the one it wraps whatever
-    # its last call asked for (a padded generate batch pads every text of a batch here to the longest)
-    from tokenizers import Tokenizer
-
-    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
-    backend.no_padding()
-    backend.no_truncation()
-    texts = [t for t, _ in rendered]
-    workers = threads or max(1, min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        batches = pool.map(lambda i: backend.encode_batch(texts[i:i + chunk], add_special_tokens=False),
-                           range(0, len(texts), chunk))
-        encs = [e for b in batches for e in b]
-    return [(e.ids, span_mask(e.offsets, s)) for e, (_, s) in zip(encs, rendered, strict=True)]
-
-
 # --------------------------------------------------------------------------------------------- self-distillation
 def reply_temperature(skeleton: list[dict[str, str]], temps: list[float]) -> float:
     """The temperature a conversation's replies are sampled at: one of `temps`, dealt by a hash of its turns up to its
@@ -284,7 +206,7 @@ def self_distill(cfg: WorkbookConfig, model_dir: Path, tok, convs: list[list[dic
             bar.update(1)
             return None
         waiting[key] = [ci]
-        text = "" if key in cache else _render(tok, done[ci], add_generation_prompt=True)
+        text = "" if key in cache else render(tok, done[ci], add_generation_prompt=True)
         return Request(key, text, temp, -users_left[ci])
 
     def on_reply(key: str, reply: Reply) -> list[Request]:
@@ -425,7 +347,7 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
         if missing:
             raise WorkbookError(f"{missing} of {len(convs)} training conversations have no assistant reply",
                                 "set data.self_distill=true (the target writes the replies) or use data with replies")
-    ids, masks, kept, cats = _training_rows(d, pool, convs, tok, stats)
+    ids, masks, kept, cats = training_rows(d, pool, convs, tok, stats)
     n = len(ids)
     if n == 0:
         raise WorkbookError(f"every conversation lost its assistant tokens to data.max_length={d.max_length}",
@@ -435,64 +357,3 @@ def _prepare(cfg: WorkbookConfig, model_dir: Path, data_dir: Path, progress: boo
     atomic.write_text(data_dir / "train.jsonl", jsonl.dumps(
         {"messages": c, "category": cat, "split": s} for c, cat, s in zip(kept, cats, split, strict=True)))
     return Prepared(ids, masks, kept, cats, n - n_val, n_val, eval_prompts, stats)
-
-
-def _training_rows(d: DataSection, pool: list[dict[str, Any]], convs: list[list[dict[str, str]]], tok,
-                   stats: dict[str, Any]) -> tuple[list[list[int]], list[list[int]], list, list]:
-    """Token ids, loss masks, conversations and categories of the rows that keep trained-on tokens within
-    data.max_length (and are no loop, with data.max_repeated_share); what was dropped, cut or looping into `stats`."""
-    rows = []
-    dropped = truncated = 0
-    looping = dict.fromkeys(LOOP_SHARES, 0)
-    for rec, conv, (i, m) in zip(pool, convs, tokenize_conversations(tok, convs), strict=True):
-        full_len = len(i)
-        i, m = i[: d.max_length], m[: d.max_length]
-        share = repeated_share([t for t, k in zip(i, m, strict=True) if k])
-        looping.update({x: looping[x] + 1 for x in LOOP_SHARES if share > x})
-        if sum(m) == 0 or (d.max_repeated_share is not None and share > d.max_repeated_share):
-            dropped += 1  # the prompt alone fills max_length (nothing left to learn from), or a loop
-            continue
-        truncated += full_len > d.max_length
-        rows.append((i, m, conv, rec.get("category")))
-    stats.update(dropped_rows=dropped, truncated_rows=truncated,
-                 looping_rows={f"over {x}": c for x, c in looping.items()})
-    ids, masks, kept, cats = (list(col) for col in zip(*rows, strict=True)) if rows else ([], [], [], [])
-    return ids, masks, kept, cats
-
-
-LOOP_SHARES = (0.3, 0.5)  # the repeated_share levels stage 02 counts rows above (its statistics' `looping_rows`)
-
-
-def repeated_share(tokens: list[int], n: int = 8) -> float:
-    """The share of a reply's n-grams that occur in it more than once: near 0 for ordinary text, high for a greedy
-    reply stuck in a loop up to the token limit (about 4% of the 1.5B's self-distilled replies pass 0.3)."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    if not grams:
-        return 0.0
-    counts: dict[tuple[int, ...], int] = {}
-    for g in grams:
-        counts[g] = counts.get(g, 0) + 1
-    return sum(c for c in counts.values() if c > 1) / len(grams)
-
-
-def example_row(prepared: Prepared, min_reply: int = 32, max_repeated: float = 0.3) -> int:
-    """A training row to show as the example of what is trained on: the first whose trained-on tokens are at least
-    `min_reply` long and not a loop (`repeated_share` at most `max_repeated`); row 0 where none is."""
-    for i in range(prepared.n_train):
-        reply = [t for t, m in zip(prepared.input_ids[i], prepared.loss_mask[i], strict=True) if m]
-        if len(reply) >= min_reply and repeated_share(reply) <= max_repeated:
-            return i
-    return 0
-
-
-def mask_html(tok, input_ids: list[int], loss_mask: list[int], limit: int = 400) -> str:
-    """One row as HTML: trained-on tokens (loss_mask = 1) highlighted — the quickest check that the mask is right."""
-    import html
-
-    parts = []
-    for t, m in zip(input_ids[:limit], loss_mask[:limit], strict=True):
-        piece = html.escape(tok.decode([t])).replace("\n", "↵<br>")
-        style = "background:#c8f7c5" if m else "color:#777"
-        parts.append(f'<span style="{style}">{piece}</span>')
-    more = f" … (+{len(input_ids) - limit} tokens)" if len(input_ids) > limit else ""
-    return ('<div style="font-family:monospace;font-size:12px;line-height:1.6">' + "".join(parts) + more + "</div>")

@@ -12,7 +12,7 @@ import pytest
 from eagle3lib.common import sources
 from eagle3lib.common.config import load_config
 from eagle3lib.common.errors import WorkbookError
-from eagle3lib.extract import prepare
+from eagle3lib.extract import prepare, rows
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -105,7 +105,7 @@ def test_eval_split_holds_out_the_same_prompts_whatever_else_a_config_reads():
 def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2(smol_tok):
     conv = chat(7, turns=2)["messages"]
     conv.insert(0, {"role": "system", "content": "You answer sums."})
-    ids, mask = prepare.tokenize_conversation(smol_tok, conv, 10_000)
+    ids, mask = rows.tokenize_conversation(smol_tok, conv, 10_000)
     assert len(ids) == len(mask) and set(mask) == {0, 1}
     trained = smol_tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert trained == "7 plus 0 is 7.<|im_end|>\n7 plus 1 is 8.<|im_end|>\n"
@@ -113,7 +113,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns_on_smollm2(smol_tok):
     assert "Question 7.0" in context and "assistant" in context and "plus 0 is" not in context
     # the whole sequence is the template's own tokenization
     assert ids == smol_tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
-    short_ids, short_mask = prepare.tokenize_conversation(smol_tok, conv, 40)
+    short_ids, short_mask = rows.tokenize_conversation(smol_tok, conv, 40)
     assert short_ids == ids[:40] and short_mask == mask[:40]
 
 
@@ -121,10 +121,10 @@ def test_tokenizing_many_conversations_on_threads_gives_each_ones_ids_and_mask(s
     convs = [chat(i, turns=1 + i % 3)["messages"] for i in range(40)]
     convs[3] = [{"role": "user", "content": "No reply yet"}]  # no assistant turn: an all-zero mask
     smol_tok(["a", "a much longer text than that"], padding=True)  # leaves padding on the tokenizer it wraps
-    many = prepare.tokenize_conversations(smol_tok, convs, threads=3, chunk=7)
-    assert many == [prepare.tokenize_conversation(smol_tok, c, 10**9) for c in convs]
+    many = rows.tokenize_conversations(smol_tok, convs, threads=3, chunk=7)
+    assert many == [rows.tokenize_conversation(smol_tok, c, 10**9) for c in convs]
     assert set(many[3][1]) == {0} and all(sum(m) > 0 for i, (_, m) in enumerate(many) if i != 3)
-    assert prepare.span_mask([(0, 2), (2, 2), (2, 5), (5, 9), (9, 12)], [(3, 6), (10, 11)]) == [0, 0, 1, 1, 1]
+    assert rows.span_mask([(0, 2), (2, 2), (2, 5), (5, 9), (9, 12)], [(3, 6), (10, 11)]) == [0, 0, 1, 1, 1]
 
 
 def test_prepare_without_replies_asks_for_self_distillation(tmp_path, smollm2_dir):
@@ -310,7 +310,8 @@ def test_unreachable_hub_dataset_is_one_clear_error(monkeypatch):
 def test_the_example_row_is_a_reply_that_is_not_a_loop():
     """Notebook 02 shows the first training row whose reply is long enough and not stuck repeating itself (a greedy
     reply looping to the token limit was the example row before)."""
-    from eagle3lib.extract.prepare import Prepared, example_row, repeated_share
+    from eagle3lib.extract.prepare import Prepared
+    from eagle3lib.extract.rows import example_row, repeated_share
 
     loop = [5, 6, 7, 8] * 20
     text = list(range(100, 180))
@@ -323,24 +324,35 @@ def test_the_example_row_is_a_reply_that_is_not_a_loop():
                                 categories=[None], n_train=1, n_val=0, eval_prompts=[])) == 0
 
 
-def test_stage_02_counts_looping_replies_and_drops_them_with_max_repeated_share(smollm2_dir):
-    """A reply stuck repeating itself is counted in the statistics (`looping_rows`) and trained on unless
-    data.max_repeated_share drops it; an ordinary reply stays either way."""
+def test_stage_02_counts_looping_replies_and_leaves_them_out_of_the_loss_with_max_repeated_share(smollm2_dir):
+    """A reply stuck repeating itself is counted (`looping_replies`) and trained on unless data.max_repeated_share
+    takes it out of the loss; the conversation stays as context for its other replies, a conversation of nothing but
+    the loop is dropped, and a reply that repeats an earlier turn's text is no loop."""
     from transformers import AutoTokenizer
 
     from eagle3lib.common.config import load_config
-    from eagle3lib.extract.prepare import _training_rows
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     loop = "the cat sat on the mat and " * 30
     text = "Paris is the capital of France, and Lyon is its third largest city by population."
-    convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-             for q, a in (("Tell me a story.", loop), ("What is the capital of France?", text))]
-    pool = [{"category": "story"}, {"category": "geo"}]
-    for share, kept in ((None, ["story", "geo"]), (0.3, ["geo"])):
+    code = "def add(a, b):\n    return a + b  # the sum of two numbers, as the user asked for it"
+    user = [{"role": "user", "content": "Tell me a story."}]
+    convs = [user + [{"role": "assistant", "content": loop}],
+             user + [{"role": "assistant", "content": loop}, {"role": "user", "content": "Where is Paris?"},
+                     {"role": "assistant", "content": text}],
+             user + [{"role": "assistant", "content": code}, {"role": "user", "content": "Again."},
+                     {"role": "assistant", "content": code}]]
+    pool = [{"category": c} for c in ("loop", "loop then text", "code twice")]
+    unmasked = [m for _, m in rows.tokenize_conversations(tok, convs)]
+    (a, b), _ = rows.reply_spans(unmasked[1])
+    for share, kept in ((None, ["loop", "loop then text", "code twice"]), (0.3, ["loop then text", "code twice"])):
         stats: dict = {}
         d = load_config(None, ["data.max_length=512"] + ([f"data.max_repeated_share={share}"] if share else [])).data
-        ids, masks, convs_kept, cats = _training_rows(d, pool, convs, tok, stats)
+        ids, masks, convs_kept, cats = rows.training_rows(d, pool, convs, tok, stats)
         assert cats == kept and len(ids) == len(masks) == len(convs_kept) == len(kept)
-        assert stats["looping_rows"] == {"over 0.3": 1, "over 0.5": 1}
-        assert stats["dropped_rows"] == 2 - len(kept)
+        assert stats["replies"] == 5 and stats["looping_replies"] == {"over 0.3": 2, "over 0.5": 2}
+        assert stats["dropped_rows"] == 3 - len(kept) and stats["masked_replies"] == (2 if share else 0)
+        # the loop's reply out of the loss, the answer about Paris in it, the context kept
+        expected = unmasked[1][:a] + [0] * (b - a) + unmasked[1][b:] if share else unmasked[1]
+        assert masks[cats.index("loop then text")] == expected and sum(expected) > 0
+        assert masks[cats.index("code twice")] == unmasked[2]  # the same code in two turns: trained on either way
