@@ -1,5 +1,5 @@
-"""Stage 02, part 2: a conversation as a training row: the chat template's tokens, the loss mask on the assistant
-turns, and which replies are trained on.
+"""Stage 02's training rows: a conversation as the chat template's tokens, the loss mask on its assistant turns, and
+which replies are trained on.
 
 `loss_mask` = 1 exactly on the characters of assistant turns, found by rendering prefixes of the conversation and
 mapping character offsets to tokens (`assistant_spans`); rows are cut to data.max_length, and a reply that loops
@@ -98,7 +98,7 @@ def tokenize_conversations(tok, convs: list[list[dict[str, str]]], threads: int 
 
 
 def training_rows(d: DataSection, pool: list[dict[str, Any]], convs: list[list[dict[str, str]]], tok,
-                   stats: dict[str, Any]) -> tuple[list[list[int]], list[list[int]], list, list]:
+                  stats: dict[str, Any]) -> tuple[list[list[int]], list[list[int]], list, list]:
     """Token ids, loss masks, conversations and categories of the rows that keep trained-on tokens within
     data.max_length; a reply that loops (data.max_repeated_share) is left out of the loss, the conversation kept as
     context. What was dropped, cut, looping or masked goes into `stats`."""
