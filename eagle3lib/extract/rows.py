@@ -158,10 +158,11 @@ def repeated_share(tokens: list[int], n: int = 8) -> float:
 
 def example_row(prepared: Prepared, min_reply: int = 32, max_repeated: float = 0.3) -> int:
     """A training row to show as the example of what is trained on: the first whose trained-on tokens are at least
-    `min_reply` long and not a loop (`repeated_share` at most `max_repeated`); row 0 where none is."""
+    `min_reply` long and none of whose replies loops (`repeated_share` at most `max_repeated`); row 0 where none is."""
     for i in range(prepared.n_train):
-        reply = [t for t, m in zip(prepared.input_ids[i], prepared.loss_mask[i], strict=True) if m]
-        if len(reply) >= min_reply and repeated_share(reply) <= max_repeated:
+        ids, spans = prepared.input_ids[i], reply_spans(prepared.loss_mask[i])
+        if (sum(b - a for a, b in spans) >= min_reply
+                and all(repeated_share(ids[a:b]) <= max_repeated for a, b in spans)):
             return i
     return 0
 

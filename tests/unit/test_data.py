@@ -322,6 +322,12 @@ def test_the_example_row_is_a_reply_that_is_not_a_loop():
     assert example_row(prepared) == 2  # not the loop, not the 10-token reply
     assert example_row(Prepared(input_ids=rows[:1], loss_mask=prepared.loss_mask[:1], conversations=[[]],
                                 categories=[None], n_train=1, n_val=0, eval_prompts=[])) == 0
+    # two replies with the same text, a turn between them: each reply is no loop, so the row is an example
+    twice = [1, 2, *text[:40], 3, *text[:40]]
+    mask = [0, 0, *[1] * 40, 0, *[1] * 40]
+    assert example_row(Prepared(input_ids=[rows[0], twice], loss_mask=[prepared.loss_mask[0], mask],
+                                conversations=[[]] * 2, categories=[None] * 2, n_train=2, n_val=0,
+                                eval_prompts=[])) == 1
 
 
 def test_stage_02_counts_looping_replies_and_leaves_them_out_of_the_loss_with_max_repeated_share(smollm2_dir):
