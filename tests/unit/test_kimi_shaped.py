@@ -190,8 +190,8 @@ def test_the_workbook_reads_it_as_a_kimi_k25_wrapper(tiny):
 def test_transformers_loads_its_text_model_as_kimi_k25s_language_model(tiny):
     """kimi_k25 has no causal-LM class in transformers, its text model has one (DeepseekV3): every stage that loads
     the target in transformers (the capture probe's reference among them) gets that text model, with every text
-    tensor of the checkpoint and no table of the vision tower's tensors in the output, and its logits equal transformers' own Kimi_K25 wrapper's on the same files (an
-    independent reader of the names)."""
+    tensor of the checkpoint and no table of the vision tower's tensors in the output, and its logits equal
+    transformers' own Kimi_K25 wrapper's on the same files (an independent reader of the names)."""
     from transformers import AutoModelForImageTextToText
 
     from eagle3lib.common.causal_lm import causal_lm_refusal, load_causal_lm, text_tower
@@ -244,7 +244,6 @@ def test_stage_00_stops_a_setting_that_loads_in_transformers_a_target_it_cannot(
     from eagle3lib.environment.target_fit import transformers_target_check
 
     unknown = unknown_text
-    config = json.loads((tiny / "config.json").read_text())
     cfg = load_config(None, [f"target.model={unknown}", "evaluate.methods=[offline, vllm]"])
     check = transformers_target_check(cfg, unknown, None)
     assert check.status == "fail" and "'kimi_k25'" in check.detail
@@ -253,8 +252,8 @@ def test_stage_00_stops_a_setting_that_loads_in_transformers_a_target_it_cannot(
     assert transformers_target_check(shaped, unknown, None).status == "pass"
     with_code = tiny.parent / "with-code"
     with_code.mkdir()
-    (with_code / "config.json").write_text(json.dumps({**config, "text_config": {
-        **config["text_config"], "model_type": "not_a_text_model"}, "auto_map": {
+    config = json.loads((unknown / "config.json").read_text())  # the same unknown text model, its own class named
+    (with_code / "config.json").write_text(json.dumps({**config, "auto_map": {
         "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}}))
     for f in tiny.glob("*.safetensors"):
         (with_code / f.name).symlink_to(f)
