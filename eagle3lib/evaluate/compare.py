@@ -136,8 +136,13 @@ def _drafter_row(root: Path, man: dict[str, Any], results: dict[str, Any], algor
             by.get(VLLM, {}).get("tau") if eagle3 else None, by.get(row, {}).get("tau"),
             *(taus.get(b) for b in benches), live.get("tokens_per_step"), per_position(live),
             *(speedup.get(str(c)) for c in levels),
-            own05.get("train_seconds") if own05 is not m05 else man.get("05", {}).get("seconds"),
-            round(sum(m.get("seconds") or 0 for m in man.values()), 1) if man else None]
+            _whole(own05.get("train_seconds") if own05 is not m05 else man.get("05", {}).get("seconds")),
+            round(sum(m.get("seconds") or 0 for m in man.values())) if man else None]
+
+
+def _whole(seconds: float | None) -> int | None:
+    """Seconds as a whole number: the table's 3 decimals are for rates, not for minutes of training."""
+    return None if seconds is None else round(seconds)
 
 
 def pick_line(roots: list[Path], runs: list[dict[str, Any]]) -> str | None:

@@ -85,13 +85,13 @@ def test_compare_shows_tau_per_benchmark_the_serving_speedup_per_level_and_tau_b
         "draft": "smollm2", "aux layers": "[2, 15, 27]", "val EAL (05)": "2.500", "τ embedded": "2.322",
         "τ vLLM": "—", "τ serve": "2.337", "τ mt_bench": "2.569",  # the server's row, preferred over embedded's 2.4
         "τ alpaca_eval": "—", "tokens per step": "2.100", "per position": "0.61 / 0.39 / 0.27",
-        "×c=1": "1.304", "×c=4": "0.956", "×c=16": "0.818", "×c=64": "—", "train s": "100.000",
-        "stages s": "200.000"}
+        "×c=1": "1.304", "×c=4": "0.956", "×c=16": "0.818", "×c=64": "—", "train s": "100",
+        "stages s": "200"}
     assert qwen == {
         "draft": "qwen15", "aux layers": "[2, 14, 24]", "val EAL (05)": "3.000", "τ embedded": "—", "τ vLLM": "—",
         "τ serve": "2.900", "τ mt_bench": "3.100", "τ alpaca_eval": "2.700", "tokens per step": "2.600",
-        "per position": "—", "×c=1": "1.500", "×c=4": "—", "×c=16": "—", "×c=64": "0.900", "train s": "200.000",
-        "stages s": "250.000"}
+        "per position": "—", "×c=1": "1.500", "×c=4": "—", "×c=16": "—", "×c=64": "0.900", "train s": "200",
+        "stages s": "250"}
     # the n-gram row: τ in the vLLM column as before, nothing in the draft's benchmark or serving columns
     assert ngram["draft"] == "vLLM n-gram lookup (no draft)" and ngram["τ vLLM"] == "2.730"
     assert ngram["tokens per step"] == "1.410" and ngram["per position"] == "0.50 / 0.30 / 0.20"
@@ -120,7 +120,7 @@ def test_compare_without_benchmarks_or_a_sweep_has_no_such_columns_and_no_catego
                               "tokens per step", "per position", "train s", "stages s"]
     assert table == [{"draft": "early", "aux layers": "—", "val EAL (05)": "1.500", "τ embedded": "—",
                       "τ vLLM": "—", "τ serve": "—", "tokens per step": "—", "per position": "—",
-                      "train s": "12.500", "stages s": "12.500"}]
+                      "train s": "12", "stages s": "12"}]
     assert "τ by benchmark category" not in text and "×c=N" not in text
 
 
