@@ -137,7 +137,7 @@ def _drafter_row(root: Path, man: dict[str, Any], results: dict[str, Any], algor
             *(taus.get(b) for b in benches), live.get("tokens_per_step"), per_position(live),
             *(speedup.get(str(c)) for c in levels),
             _whole(own05.get("train_seconds") if own05 is not m05 else man.get("05", {}).get("seconds")),
-            round(sum(m.get("seconds") or 0 for m in man.values())) if man else None]
+            _whole(sum(m.get("seconds") or 0 for m in man.values())) if man else None]
 
 
 def _whole(seconds: float | None) -> int | None:
