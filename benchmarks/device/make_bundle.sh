@@ -11,9 +11,9 @@
 # ipywidgets, none with it (one widget output).
 # Usage: [CONFIGS="configs/a.yaml configs/b.yaml"] bash benchmarks/device/make_bundle.sh
 #   (default CONFIGS: the SmolLM2 recipe; writes .carry/bundle/c1..cN; carry one chunk per call, in order)
-# Sizes: configs/qwen-coder-1.5b-h200.yaml (its GGUF alone is 1.1 GB) with the 1.5B replies cache (19 MB) in the tree:
-# 36 chunks of 36 MiB (2026-12-05). Build it again whenever a config asks for a package the bundle lacks:
-# install.sh names each one that is missing.
+# Sizes: configs/qwen-coder-1.5b-h200.yaml (its GGUF alone is 1.1 GB), with the 1.5B replies cache (19 MB) in a
+# 29 MiB working tree: 39 chunks of 33 MiB, c1..c39 (docs/gpu-host.md). Build it again whenever a config asks for a
+# package the bundle lacks: install.sh names each one that is missing.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.carry/bundle
