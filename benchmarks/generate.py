@@ -324,8 +324,8 @@ def run_child(argv: list[str], name: str, label: dict[str, Any], n: int, args: a
     """One arm (`argv`: the internal flags that pick it) in a fresh process (its GPU memory is free again when it
     exits), cut off after --timeout; `label` names it in the result when it reports nothing of its own. Everything
     the arm prints (vLLM logs to stdout, beside the arm's STARTED and RESULT lines) goes to `<out>.<name>.log` beside
-    --out as it is written, so an arm stopped from outside still says where it was (the GPU host's lease ended during
-    plain vLLM's arm on 2026-12-06, when the arm's output was a pipe read at its end: nothing of it came back). Cut
+    --out as it is written, so an arm stopped from outside still says where it was (a pipe read at the arm's end
+    gives nothing back when the GPU host's lease ends during the arm). Cut
     off, the arm is stopped with every process under it (vLLM's engine core, a process of its own under vLLM's
     defaults, outlived a killed arm)."""
     from eagle3lib.common.processes import descendants, log_tail, stop_process_tree
@@ -364,8 +364,7 @@ def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, Any
 def log_tails(out: str, n: int, args: argparse.Namespace) -> dict[str, list[str]]:
     """Where a variant cut off by --timeout was: the last lines of its output (one engine's vLLM log) and of each
     pool engine's log (eagle3lib.extract.engine_pool writes <run>/cache/logs/gen_engine_<i>.log). Without them a
-    4-engine round came back as a bare "not finished in 240 s" (2026-12-03): nothing said whether an engine hung or
-    time ran out."""
+    cut-off round says only "not finished in N s", not whether an engine hung or time ran out."""
     from eagle3lib.common.config import load_config
     from eagle3lib.common.rundir import cache_root
 

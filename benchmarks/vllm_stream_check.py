@@ -17,7 +17,7 @@ D = "/tmp/tinyllama"
 def build() -> None:
     """The model, in a process of its own (a script that builds a torch model before starting vLLM in the same
     process, with no `if __name__ == "__main__":` guard, hung at vLLM 0.26's model load on an H200 for minutes; one
-    that loaded a model saved by an earlier process ran, 2026-11-29)."""
+    that loaded a model saved by an earlier process ran)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

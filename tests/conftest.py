@@ -19,16 +19,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The longest files, dealt first. Measured in `make test` on a 2-core box, seconds per file: 2026-12-01, before the
-# one-thread rule above, pipeline 725, data 876, evaluate 384, vllm_backends 373, qwen_target 369, serve 312; with
-# it (the whole suite 1,130 s on two workers): vllm_backends 328, pipeline 303, evaluate 303, serve 274,
-# qwen_target 244, data 166, browser 124, foundation 107; spool (run alone) 175. 2026-12-03 (per-test --junitxml,
-# the suite 1,208 s): serve 267, evaluate 252, pipeline 250, vllm_backends 248, spool 185, data 172, engine_pool 172,
-# qwen_target 151, reliability 141, browser 137, foundation 90. Sorting this list by those figures (serve, pipeline,
-# evaluate, vllm_backends, spool, ... first) made the suite SLOWER, 1,440 s with most files 10-80% longer (likely:
-# it paired the files that start vLLM servers and engine processes, which then fight for the 2 cores; one run, not
-# told apart from the box's own noise). Only the order of the run depends on this list (a stale entry costs minutes,
-# never a result).
+# The longest files, dealt first (the per-file times this order comes from, and why it is not simply sorted by
+# them: docs/running.md#the-tests). Only the order of the run depends on this list: a stale entry costs minutes,
+# never a result.
 LONGEST_FIRST = ("e2e/test_pipeline.py", "unit/test_data.py", "unit/test_generators.py", "unit/test_evaluate.py",
                  "unit/test_vllm_backends.py", "unit/test_serve_vllm.py", "unit/test_vllm_deepseek.py",
                  "e2e/test_qwen_target.py", "unit/test_foundation.py", "unit/test_capture.py", "unit/test_spool.py",

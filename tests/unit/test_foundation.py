@@ -240,8 +240,8 @@ def test_disk_estimate_counts_known_lengths_and_warns_only_on_the_upper_bound(ou
 
 def test_a_childs_log_tail_shows_the_cause_logged_above_its_shutdown_lines(tmp_path):
     """A vLLM engine core logs its exception, then its frontend's EngineDeadError and a dozen shutdown lines (lines as
-    one engine of four logged them on an H100, 2026-12-05): the error quotes the cause, above the unchanged tail, and
-    not a warning that only names an exception (as vLLM's API server logged one on an H100, 2026-12-06)."""
+    a generation engine logged them on an H100): the error quotes the cause, above the unchanged tail, and not a
+    warning that only names an exception (as vLLM's API server logs one)."""
     from eagle3lib.common.processes import LOG_TAIL_LINES, log_tail
 
     cause = ("(EngineCore pid=4123) ERROR 12-05 23:52:31 [core.py:1332] torch.OutOfMemoryError: CUDA out of memory. "
