@@ -57,7 +57,7 @@ def curve_point(metrics: dict[str, float], algorithm: str, positions: int, suffi
                 out[f"{key}_{s}"] = float(metrics.get(f"{key}_{s}{suffix}", float("nan")))
         out[f"full_acc_{s}"] = acc[s]
     out["eal"] = expected_acceptance_length(metrics, algorithm, positions, suffix)
-    for key in ("tau_walk", "eal_uniform"):  # validation only (eagle3lib.train.walk)
+    for key in ("tau_walk", "eal_uniform", "val_seconds"):  # validation only (eagle3lib.train.walk, loop._validate)
         if f"{key}{suffix}" in metrics:
             out[key] = float(metrics[f"{key}{suffix}"])
     return out

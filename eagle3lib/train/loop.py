@@ -243,9 +243,11 @@ def _validate(trainer: Any, epoch: int) -> dict[str, float] | None:
     served τ the validation rows predict, below validation EAL), as `tau_walk_epoch` beside its metrics."""
     from eagle3lib.train.walk import WalkRecorder
 
+    start = time.perf_counter()
     with WalkRecorder(trainer.model) as walk:
         val = trainer.val_epoch(epoch)
-    return None if val is None else {**val, **{f"{k}_epoch": v for k, v in walk.metrics().items()}}
+    seconds = {"val_seconds_epoch": time.perf_counter() - start}  # the untrained one's against the others': warm-up
+    return None if val is None else {**val, **{f"{k}_epoch": v for k, v in walk.metrics().items()}, **seconds}
 
 
 def _validate_untrained(trainer: Any, algorithm: str, positions: int) -> dict[str, Any]:
@@ -346,6 +348,7 @@ def _result(final: Path, curves_path: Path, curves: dict[str, Any], res: Resolve
         "val_eal": val_last.get("eal"), "val_loss": val_last.get("loss"),
         "val_full_acc": [val_last.get(f"full_acc_{s}") for s in range(curves["positions"])],
         "val_tau_walk": val_last.get("tau_walk"),
+        "val_seconds": [round(v["val_seconds"], 2) for v in curves["val"] if "val_seconds" in v],
         "train_eal": curves["train_epochs"][-1]["eal"] if curves["train_epochs"] else None,
         "tokens_per_s": trained_tokens / elapsed if elapsed > 0 and trained_tokens else None,
         "train_seconds": round(elapsed, 2),
