@@ -246,7 +246,8 @@ def _validate(trainer: Any, epoch: int) -> dict[str, float] | None:
     start = time.perf_counter()
     with WalkRecorder(trainer.model) as walk:
         val = trainer.val_epoch(epoch)
-    seconds = {"val_seconds_epoch": time.perf_counter() - start}  # the untrained one's against the others': warm-up
+    # its seconds: the untrained draft's pass beside the later ones' tells its warm-up from its work (docs/stages.md)
+    seconds = {"val_seconds_epoch": time.perf_counter() - start}
     return None if val is None else {**val, **{f"{k}_epoch": v for k, v in walk.metrics().items()}, **seconds}
 
 
