@@ -83,6 +83,7 @@ def training_figures(trained: dict[str, Any]) -> dict[str, Any]:
             "train_tokens_per_s": trained.get("tokens_per_s"), "draft_params": trained.get("draft_params"),
             "trainable_params": trained.get("trainable_params"), "positions": trained.get("positions"),
             "val_eal": trained.get("val_eal"), "val_eal_untrained": trained.get("val_eal_untrained"),
+            "val_seconds": trained.get("val_seconds"),  # each validation's, the untrained draft's first
             "epochs": trained.get("epochs_done"), "drafter_settings": trained.get("drafter_settings")}
 
 

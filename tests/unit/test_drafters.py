@@ -208,6 +208,7 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
         assert a["tau_by_benchmark"]["heldout"] >= 1.0 and set(a["speedup_by_concurrency"]) == {"1"}
         assert a["step_cost_by_concurrency"]["1"] > 0  # stage 06's own figure at the arm's best setting
         assert a["train_tokens"] > 0 and a["draft_params"] > 0
+        assert len(a["val_seconds"]) == 2 and min(a["val_seconds"]) > 0  # the untrained draft's, then the epoch's
 
 
 def test_the_tables_of_a_run_without_an_eagle3_draft_show_its_drafters():
