@@ -208,7 +208,7 @@ def test_tau_by_walking_reads_speculators_own_chains(trained_run):
     assert all(1.0 <= v["tau_walk"] <= 1 + k for v in curves["val"])
     assert all(v["eal_uniform"] == pytest.approx(v["eal"], abs=0.05) for v in curves["val"])
     assert result["val_tau_walk"] == curves["val"][-1]["tau_walk"]
-    # and how long each validation took, the untrained draft's first (its share of a GPU lease: docs/gpu-host.md)
+    # and how long each validation took, the untrained draft's first (why: docs/stages.md, 05 Training the draft)
     assert result["val_seconds"] == [round(v["val_seconds"], 2) for v in curves["val"]]
     assert curves["val"][0]["epoch"] == -1 and all(v["val_seconds"] > 0 for v in curves["val"])
 
