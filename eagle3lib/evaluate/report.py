@@ -301,9 +301,11 @@ def _headline(results: dict[str, Any]) -> list[str]:
     and the methods this run could not measure."""
     out: list[str] = []
     by = results.get("by_method", {})
-    head = [f"**k = {results.get('k')}**"]
+    decoders = (VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS)  # the methods that draft evaluate.k tokens
+    # a run whose servers alone measured (a DFlash draft serves its block, k = 15) names no k: each setting has its own
+    head = [f"**k = {results.get('k')}**"] if any(name in by for name in decoders) else []
     serve_rows = [serve_row(a) for a in results.get("drafts") or {"eagle3": None}]
-    for name in (*serve_rows, VLLM, EMBEDDED, HELDOUT_PATH, OFFLINE_ROWS):
+    for name in (*serve_rows, *decoders):
         if name in by:
             head.append(f"τ {name}: **{by[name]['tau']:.2f}**")
     ngram = by.get(NGRAM_SERVE) or by.get(NGRAM) or {}

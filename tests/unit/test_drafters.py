@@ -198,6 +198,7 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     first = report.split("\n")[2]
     assert first.startswith("**Serve the ") or first.startswith("**Do not serve any of these drafts**"), first
     assert "Not measured: `offline`" in report and "| metric | P-EAGLE | DFlash |" in report
+    assert "τ vllm serve peagle: **" in report and "**k = " not in report  # no decoder drafted evaluate.k tokens
     table = compare_runs([rd.root])
     assert f"{rd.root.name} (peagle)" in table and f"{rd.root.name} (dflash)" in table
     assert table.startswith("**Fastest server per concurrency level**")
