@@ -77,6 +77,12 @@
 #                extraction 1 vs 2 GPUs in /dev/shm and on disk -> $RES/scaling_*_h200x2.json
 # Before any step: the copies and the install (by the bundle's size) and the target's conversion.
 
+# what a result's note opens with: the date, the machine and the commit the plan ran (docs/results.md's columns)
+made_on() {
+  echo "$(date -u +%F), $(nvidia-smi -L | wc -l)x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" \
+    "($(nproc) host cores), at $(git describe --always --dirty --abbrev=7 --exclude '*' 2> /dev/null || echo '(no git)')"
+}
+
 run_step() {
   local s=$1
   case "$s" in
@@ -86,7 +92,7 @@ run_step() {
       unpack_replies "$RUN"
       run_on 0 recipe --run "$RUN"
       python3 benchmarks/recipe.py --run-dir "outputs/$RUN" --out "$RES/recipe_$RUN.json" \
-        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=recipe, $CONFIG" > "$RES/recipe_json.log" 2>&1
+        --note "$(made_on): driver.sh STEPS=recipe, $CONFIG" > "$RES/recipe_json.log" 2>&1
     else
       step "recipe (GPU 0) | EAGLE-1 style (GPU $g1)"
       run_on 0 recipe --run "$RUN" &
@@ -131,7 +137,7 @@ run_step() {
         -p extract.gpu_memory_utilization=0.3 ;;
       esac
       python3 benchmarks/hidden_state_modes.py --runs "outputs/$mrun" --out "$RES/online_$mrun.json" \
-        --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=modes ARMS='$arms', $CONFIG" \
+        --note "$(made_on): driver.sh STEPS=modes ARMS='$arms', $CONFIG" \
         > "$RES/modes.log" 2>&1
     done
     ;;
@@ -163,7 +169,7 @@ run_step() {
     CUDA_VISIBLE_DEVICES=0 timeout 1200 python3 benchmarks/serve_graphs.py --config "$CONFIG" --run "$RUN-graphs" \
       --grid ${GRAPH_GRID:-2} --levels 4 5 9 12 13 16 --out "$RES/serve_graphs_$RUN.json" \
       --png "$RES/serve_graphs_$RUN.png" \
-      --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=serve_graphs, $CONFIG" \
+      --note "$(made_on): driver.sh STEPS=serve_graphs, $CONFIG" \
       > "$RES/serve_graphs.log" 2>&1
     ;;
   gen_data)
@@ -248,7 +254,7 @@ run_step() {
     done
     # shellcheck disable=SC2086 - arms is a list of names
     python3 benchmarks/peers.py report --run-dir "outputs/$RUN" --arms $arms --out "$RES/peers_$RUN.json" \
-      --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=peers PEER_ARMS='$arms', $CONFIG ${pg[*]} ${pe[*]}; training side by side, stage 06 side by side" \
+      --note "$(made_on): driver.sh STEPS=peers PEER_ARMS='$arms', $CONFIG ${pg[*]} ${pe[*]}; training side by side, stage 06 side by side" \
       > "$RES/peers_report.log" 2>&1
     ;;
   drafter_steps)
@@ -258,7 +264,7 @@ run_step() {
     step "untrained drafts' servers, each alone: the step cost per drafter"
     CUDA_VISIBLE_DEVICES=0 timeout 1500 python3 benchmarks/drafter_steps.py --config "$CONFIG" --run "$RUN-steps" --requests 16 ${STEP_GRID:+--grid "$STEP_GRID"} \
       --out "$RES/drafter_steps_$RUN.json" \
-      --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=drafter_steps, $CONFIG" \
+      --note "$(made_on): driver.sh STEPS=drafter_steps, $CONFIG" \
       > "$RES/drafter_steps.log" 2>&1
     ;;
   algorithms)
@@ -284,18 +290,19 @@ run_step() {
     wait
     step "stages 05 (resumed) and 06 of $RUN-drafters: each server alone"
     # shellcheck disable=SC2086 - drafters is a list of names
+    together="training side by side on one GPU,"; [ "$(wc -w <<< "$drafters")" -gt 1 ] || together="training alone,"
     joined=$(python3 benchmarks/algorithms.py join --base "outputs/$RUN" --drafters $drafters 2> "$RES/alg_join.log")
     echo "joined: $joined" >> "$RES/alg_join.log"
     run_on 0 alg_eval --run "$RUN-drafters" --stages 05-06 -p "train.algorithms=$joined" "${ta[@]}" "${ea[@]}"
     python3 benchmarks/algorithms.py report --run-dir "outputs/$RUN-drafters" --out "$RES/algorithms_$RUN.json" \
-      --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=algorithms DRAFTERS='$drafters', $CONFIG ${ta[*]} ${ea[*]}; training side by side on one GPU, each server alone" \
+      --note "$(made_on): driver.sh STEPS=algorithms DRAFTERS='$drafters', $CONFIG ${ta[*]} ${ea[*]}; $together each server alone" \
       > "$RES/alg_report.log" 2>&1
     ;;
   serve_vs_plain)
     step "stage 06's serve figure of ${SVP_RUN:-$RUN} against plain servers, each alone"
     CUDA_VISIBLE_DEVICES=0 timeout 900 python3 benchmarks/serve_vs_plain.py --run-dir "outputs/${SVP_RUN:-$RUN}" \
       --max-tokens 256 --out "$RES/serve_vs_plain_${SVP_RUN:-$RUN}.json" \
-      --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=serve_vs_plain SVP_RUN=${SVP_RUN:-$RUN}, $CONFIG" \
+      --note "$(made_on): driver.sh STEPS=serve_vs_plain SVP_RUN=${SVP_RUN:-$RUN}, $CONFIG" \
       > "$RES/serve_vs_plain.log" 2>&1
     ;;
   side_by_side)
@@ -307,7 +314,7 @@ run_step() {
       && ln "outputs/$src"/manifests/05_*.json "outputs/$src-sbs/manifests/"
     CONFIG="outputs/$src/config.yaml" run_on 0 sbs --run "$src-sbs" --stages 06 -p "evaluate.serve_side_by_side_kv_gib=8"
     # the note first (date, machine, command; the commit goes beside it in docs/results.md), then the comparison
-    { echo "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=side_by_side SVP_RUN=$src, stage 06 of" \
+    { echo "$(made_on): driver.sh STEPS=side_by_side SVP_RUN=$src, stage 06 of" \
         "outputs/$src (each server alone) and of its fork $src-sbs (side by side, evaluate.serve_side_by_side_kv_gib=8)"
       echo; python3 -m eagle3lib.cli compare "outputs/$src" "outputs/$src-sbs"; } > "$RES/side_by_side_$src.md" 2> "$RES/sbs_compare.log"
     ;;
@@ -330,7 +337,7 @@ run_step() {
     run_on 0 kimi_mp --run "$RUN-mp" --stages 02 -p "extract.vllm_args={distributed_executor_backend: mp}"
     python3 benchmarks/kimi_shaped.py --run-dir "outputs/$RUN" --log "$RES/kimi.log" --out "$RES/kimi_shaped_$RUN.json" \
       --mp-run-dir "outputs/$RUN-mp" \
-      --note "$(date -u +%F), $(nvidia-smi -L | head -n 1): driver.sh STEPS=kimi_shaped, $CONFIG" \
+      --note "$(made_on): driver.sh STEPS=kimi_shaped, $CONFIG" \
       > "$RES/kimi_report.log" 2>&1
     ;;
   fp8_ab)
@@ -348,7 +355,7 @@ run_step() {
     step "FP8 A/B, arm B: the same rows in FP8 shards (benchmarks/fp8_ab.py)"
     t=$(date +%s)
     timeout 1500 python3 benchmarks/fp8_ab.py --config "$CONFIG" --run "$arun" "${abargs[@]}" \
-      --out "$RES/fp8_ab_$RUN.json" --note "benchmarks/device/driver.sh STEPS=fp8_ab with $CONFIG on $(nvidia-smi -L | head -n 1)" \
+      --out "$RES/fp8_ab_$RUN.json" --note "$(made_on): driver.sh STEPS=fp8_ab, $CONFIG" \
       > "$RES/fp8ab_b.log" 2>&1
     echo "fp8ab_b exit $? after $(( $(date +%s) - t )) s" >> "$RES/fp8ab_b.log"
     ;;
