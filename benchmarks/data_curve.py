@@ -5,10 +5,12 @@ training data worth?
 train.train_fraction=F`) trains stage 05 again on forks of one run, each on the first share F of stage 02's shuffled
 training rows, with the same validation rows and the same epochs (so fewer optimizer steps on less data: the curve
 is what a user gets from F of the data with this recipe, not data at a fixed step count). This script reads each
-fork's draft/result.json (train_rows, train_tokens, val_eal, per-position acceptance) and writes one JSON and one
-figure: validation EAL (and each position's acceptance) against training tokens per epoch, log2 axis. A fork that
-ran stage 06 adds its held-out tau (by method, and by benchmark where evaluate.benchmarks asked for them); every
-fork adds its stages' seconds (its manifests: a fork's copied stages 00-04 are the base run's).
+fork's draft/<drafter>/result.json (`--drafter`, default eagle3: train_rows, train_tokens, val_eal, per-position
+acceptance; the JSON names the drafter, and the report card's verdict adds its gain only to that drafter's
+settings) and writes one JSON and one figure: validation EAL (and each position's acceptance) against training
+tokens per epoch, log2 axis. A fork that ran stage 06 adds its held-out tau (by method, and by benchmark where
+evaluate.benchmarks asked for them); every fork adds its stages' seconds (its manifests: a fork's copied stages 00-04
+are the base run's).
 
 `driver.sh STEPS=curve_online` trains its forks online from one stage 02 of 4x the recipe's data; `--reference
 FILE:ARM` adds an arm of a benchmarks/hidden_state_modes.py result (e.g. the 1x recipe's one online epoch,
@@ -34,16 +36,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from eagle3lib.common.drafters import ALGORITHMS, title  # noqa: E402 - the repository root first
 
-def point(run_dir: Path) -> dict:
-    """One fork's figures from its EAGLE-3 draft's result (draft/eagle3/result.json) and its config's
-    train_fraction."""
+
+def point(run_dir: Path, drafter: str = "eagle3") -> dict:
+    """One fork's figures from its draft's result (draft/<drafter>/result.json) and its config's train_fraction."""
     import yaml
 
     from eagle3lib.evaluate.report import stage_seconds
     from eagle3lib.train.result import read_results
 
-    res = read_results(run_dir)["eagle3"]
+    res = read_results(run_dir)[drafter]
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     epochs = res.get("epochs_done") or 1
     return {"run": run_dir.name, "train_fraction": (cfg.get("train") or {}).get("train_fraction", 1.0),
@@ -51,22 +54,33 @@ def point(run_dir: Path) -> dict:
             "tokens_seen": res["train_tokens"], "epochs": epochs, "optimizer_steps": res["global_step"],
             "val_eal": round(res["val_eal"], 4), "val_full_acc": [round(a, 4) for a in res["val_full_acc"]],
             "train_eal": round(res["train_eal"], 4), "train_seconds": res.get("train_seconds"),
-            "phase_seconds": res.get("phase_seconds"), **held_out(run_dir), "stage_seconds": stage_seconds(run_dir)}
+            "phase_seconds": res.get("phase_seconds"), **held_out(run_dir, drafter),
+            "stage_seconds": stage_seconds(run_dir)}
 
 
-def held_out(run_dir: Path) -> dict:
-    """Stage 06's tau on the held-out prompts (eval/results.json), by method and by benchmark; nothing if it did
-    not run."""
+def held_out(run_dir: Path, drafter: str = "eagle3") -> dict:
+    """Stage 06's tau on the held-out prompts (eval/results.json), by method and by benchmark, of the methods that
+    measured this drafter (`of_drafter`); nothing if it did not run."""
     path = run_dir / "eval" / "results.json"
     if not path.is_file():
         return {}
     res = json.loads(path.read_text())
     out = {"eval_k": res.get("k"), "held_out_digest": res.get("held_out_digest"),
-           "tau_heldout": {m: a["tau"] for m, a in res.get("by_method", {}).items()}}
+           "tau_heldout": {m: a["tau"] for m, a in res.get("by_method", {}).items() if of_drafter(m, drafter)}}
     if res.get("tau_by_benchmark"):
-        out["tau_by_benchmark"] = {b: {m: a["tau"] for m, a in r["by_method"].items()}
+        out["tau_by_benchmark"] = {b: {m: a["tau"] for m, a in r["by_method"].items() if of_drafter(m, drafter)}
                                    for b, r in res["tau_by_benchmark"].items()}
     return out
+
+
+def of_drafter(method: str, drafter: str) -> bool:
+    """Whether a row of stage 06 measured this drafter: another drafter's server row ("vllm serve dflash") is not
+    EAGLE-3's, and only its own server row is a P-EAGLE or DFlash draft's (the decoders follow EAGLE-3 only)."""
+    from eagle3lib.evaluate.keys import serve_row
+
+    if drafter != "eagle3":
+        return method == serve_row(drafter)
+    return method not in {serve_row(a) for a in ALGORITHMS if a != "eagle3"}
 
 
 def reference_point(spec: str) -> dict:
@@ -80,9 +94,14 @@ def reference_point(spec: str) -> dict:
             "train_seconds": arm.get("train_seconds"), "stage_seconds": arm.get("stage_seconds")}
 
 
-def curve_points(path: Path) -> list[dict]:
-    """The points of an earlier curve (this script's JSON), each marked with the file it comes from."""
-    return [{**p, "from_curve": str(path)} for p in json.loads(Path(path).read_text())["points"]]
+def curve_points(path: Path, drafter: str) -> list[dict]:
+    """The points of an earlier curve (this script's JSON) of the same drafter, each marked with the file it comes
+    from."""
+    curve = json.loads(Path(path).read_text())
+    if curve.get("drafter", "eagle3") != drafter:
+        raise SystemExit(f"{path} measured {title(curve.get('drafter', 'eagle3'))} drafts, not {title(drafter)} "
+                         f"ones: extend a curve with points of its own drafter (--drafter {curve.get('drafter')})")
+    return [{**p, "from_curve": str(path)} for p in curve["points"]]
 
 
 def source(p: dict) -> str:
@@ -173,14 +192,18 @@ def main() -> None:
     ap.add_argument("--extend", action="append", default=[], type=Path, metavar="CURVE",
                     help="an earlier curve of this script: its points join these (e.g. the 1x recipe's forks beside "
                          "a run on 4x the data; the step between them crosses validation sets)")
+    ap.add_argument("--drafter", default="eagle3", choices=ALGORITHMS,
+                    help="whose drafts the curve measures (each run's draft/<drafter>/result.json and its server's "
+                         "rows); the verdict adds a curve's gain only to that drafter's settings")
     args = ap.parse_args()
-    forks = [point(r) for r in args.runs]
+    forks = [point(r, args.drafter) for r in args.runs]
     refs = [reference_point(r) for r in args.reference]
-    earlier = [q for c in args.extend for q in curve_points(c)]
+    earlier = [q for c in args.extend for q in curve_points(c, args.drafter)]
     points = sorted(forks + refs + earlier, key=lambda p: p["tokens_per_epoch"])
-    out = {"note": args.note, "points": points, "per_doubling": per_doubling(points)}
+    out = {"note": args.note, "drafter": args.drafter, "points": points, "per_doubling": per_doubling(points)}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    plot(points, args.out.with_suffix(".png"), f"data-volume curve: {', '.join(p['run'] for p in points)}")
+    plot(points, args.out.with_suffix(".png"),
+         f"data-volume curve of {title(args.drafter)} drafts: {', '.join(p['run'] for p in points)}")
     print(json.dumps(out["per_doubling"], indent=1))
 
 

@@ -275,8 +275,10 @@ class EvaluateSection(Section):
     data_curve: str | None = Field(
         None, description="serve method: a data-volume curve (benchmarks/data_curve.py's JSON; relative paths from "
         "the repo root) the report card's verdict reads to say what one more doubling of the training data would "
-        "give: its last step's τ gain per doubling (the 'vllm serve' row where it has one, else validation EAL). "
-        "None = data_curve.json in the run folder when there is one; without a curve the verdict says so.")
+        "give: its last step's τ gain per doubling (the measured drafter's server row where it has one, else "
+        "validation EAL), added only where the fastest setting is that drafter's (the curve's `drafter`, "
+        "benchmarks/data_curve.py --drafter). None = data_curve.json in the run folder when there is one; without "
+        "a curve the verdict says so.")
 
     @field_validator("serve_grid")
     @classmethod

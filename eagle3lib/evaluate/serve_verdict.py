@@ -13,15 +13,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3lib.evaluate.keys import SERVE
+from eagle3lib.evaluate.keys import serve_row
 
 if TYPE_CHECKING:
     from eagle3lib.common.config import WorkbookConfig
 
 DATA_CURVE = "data_curve.json"  # a run's own data-volume curve (benchmarks/data_curve.py's JSON), when it has one
-# the drafter a data curve measures: benchmarks/data_curve.py reads each run's EAGLE-3 draft (`point`), so its gain
-# per doubling says nothing of how a P-EAGLE or DFlash draft grows with data
-DATA_CURVE_DRAFTER = "eagle3"
 
 
 def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: str) -> dict[str, Any]:
@@ -74,17 +71,19 @@ def read_data_curve(path: Path) -> dict[str, Any]:
     gained (stage 05's own measure, which runs above the server's τ: the verdict names which one it added).
     {"found": False} where there is no readable curve: the verdict then says so instead of estimating."""
     try:
-        steps = json.loads(Path(path).read_text()).get("per_doubling") or []
+        curve = json.loads(Path(path).read_text())
+        steps, drafter = curve.get("per_doubling") or [], curve.get("drafter") or "eagle3"
     except (OSError, json.JSONDecodeError, AttributeError):
-        steps = []
+        steps, drafter = [], "eagle3"
     if not steps:
         return {"path": str(path), "found": False}
     last = steps[-1]
-    tau_gain = (last.get("tau_gain_per_doubling") or {}).get(SERVE)
-    gain, of = (tau_gain, f"τ {SERVE}") if tau_gain is not None else (last.get("val_eal_gain_per_doubling"),
-                                                                       "validation EAL")
+    row = serve_row(drafter)  # the server's row of the drafter the curve measured ("vllm serve dflash")
+    tau_gain = (last.get("tau_gain_per_doubling") or {}).get(row)
+    gain, of = (tau_gain, f"τ {row}") if tau_gain is not None else (last.get("val_eal_gain_per_doubling"),
+                                                                     "validation EAL")
     return {"path": str(path), "found": gain is not None, "gain_per_doubling": gain, "of": of,
-            "from": last.get("from"), "to": last.get("to")}
+            "from": last.get("from"), "to": last.get("to"), "drafter": drafter}
 
 
 def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +94,7 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
     and a step costing Y plain steps the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to
     break even (1.2 Y for ×1.2); and what one more doubling of the training data gives by the data curve
     (`read_data_curve`): τ + its last gain per doubling, where that setting's drafter is the one the curve measured
-    (`DATA_CURVE_DRAFTER`)."""
+    (its `drafter`, benchmarks/data_curve.py --drafter: how EAGLE-3 drafts grow with data says nothing of DFlash's)."""
     from eagle3lib.evaluate.serve_report import verdict_line
 
     levels = [int(c) for c in serve["by_level"]]
@@ -110,7 +109,8 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
     cost = round(tau / speedup, 4) if tau and speedup else None
     drafter = {label: st.get("algorithm") or "eagle3" for label, st in (serve.get("settings") or {}).items()}
     best = drafter.get(low["setting"], "eagle3")
-    applies = curve.get("found") and best == DATA_CURVE_DRAFTER
+    measured = curve.get("drafter") or "eagle3"
+    applies = curve.get("found") and best == measured
     gain = curve.get("gain_per_doubling") if applies else None
     out = {"serve": up_to is not None, "up_to_concurrency": up_to, "highest_concurrency": levels[-1],
            "algorithms": list(dict.fromkeys(drafter.values())),
@@ -120,7 +120,7 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
            "tau": tau, "step_cost": cost, "break_even_tau": cost,
            "tau_for_x1_2": round(1.2 * cost, 4) if cost else None,
            "data_curve": curve, "tau_after_doubling": round(tau + gain, 4) if tau and gain is not None else None,
-           "drafter_at_lowest": best, "data_curve_drafter": DATA_CURVE_DRAFTER}
+           "drafter_at_lowest": best, "data_curve_drafter": measured}
     out["algorithms_recommended"] = list(dict.fromkeys(drafter.get(s, "eagle3") for s in out["settings"].values()))
     out["line"] = verdict_line(out)
     return out

@@ -222,7 +222,7 @@ def test_the_recommendation_and_the_verdict_follow_from_the_numbers(tmp_path):
     """Per level the setting with the most output tokens/s, or no draft where none beats the target alone; the
     verdict serves the draft up to the last level of an unbroken run of recommendations from the lowest, with a
     step cost of τ / speedup there; a data curve's last step adds its gain per doubling (a missing curve is said to
-    be missing, not estimated; a curve of EAGLE-3 drafts says nothing of a DFlash one's)."""
+    be missing, not estimated; a curve of one drafter's drafts says nothing of another's)."""
     from eagle3lib.evaluate.serve_verdict import read_data_curve, recommend, verdict
 
     base = {"1": 100.0, "4": 300.0, "16": 800.0}
@@ -261,6 +261,16 @@ def test_the_recommendation_and_the_verdict_follow_from_the_numbers(tmp_path):
     assert v["tau_after_doubling"] is None and v["drafter_at_lowest"] == "dflash"
     assert v["line"].endswith(f"No data curve of DFlash drafts (`{curve}` measured EAGLE-3 ones): no estimate of "
                               "what more data would give.")
+    # a curve of DFlash drafts (benchmarks/data_curve.py --drafter dflash) adds its server row's gain to the DFlash
+    # setting only
+    dflash_curve = tmp_path / "dflash_curve.json"
+    dflash_curve.write_text(json.dumps({"drafter": "dflash", "per_doubling": [
+        {"from": "a", "to": "b", "val_eal_gain_per_doubling": 0.6,
+         "tau_gain_per_doubling": {"vllm serve": 0.9, "vllm serve dflash": 0.25}}]}))
+    v = verdict({**recommend(block, [1, 4], "dflash k=15"), "settings": block}, read_data_curve(dflash_curve))
+    assert v["tau_after_doubling"] == 1.75 and "(τ vllm serve dflash +0.25 per doubling, a → b)" in v["line"]
+    v = verdict(recommend(slow, [1, 4], "k=3"), read_data_curve(dflash_curve))
+    assert v["tau_after_doubling"] is None and "No data curve of EAGLE-3 drafts" in v["line"]
 
 
 def test_the_report_card_says_which_flags_of_its_serve_command_were_for_servers_side_by_side():
