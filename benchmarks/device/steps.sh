@@ -313,7 +313,7 @@ run_step() {
     fork "$src" "$src-sbs" && cp -al "outputs/$src/draft" "outputs/$src-sbs/draft" \
       && ln "outputs/$src"/manifests/05_*.json "outputs/$src-sbs/manifests/"
     CONFIG="outputs/$src/config.yaml" run_on 0 sbs --run "$src-sbs" --stages 06 -p "evaluate.serve_side_by_side_kv_gib=8"
-    # the note first (date, machine, command; the commit goes beside it in docs/results.md), then the comparison
+    # the note first (date, machine, commit, command), then the comparison
     { echo "$(made_on): driver.sh STEPS=side_by_side SVP_RUN=$src, stage 06 of" \
         "outputs/$src (each server alone) and of its fork $src-sbs (side by side, evaluate.serve_side_by_side_kv_gib=8)"
       echo; python3 -m eagle3lib.cli compare "outputs/$src" "outputs/$src-sbs"; } > "$RES/side_by_side_$src.md" 2> "$RES/sbs_compare.log"
