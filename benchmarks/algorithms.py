@@ -14,7 +14,8 @@ user runs one server. `report` writes per drafter (`arms`): τ on the held-out p
 server's counters (`tau_by_benchmark`), tokens per target step, per-position acceptance, the speedup (output tokens/s
 with ÷ without) and what a step costs in plain steps (`step_cost_by_concurrency`, stage 06's TPOT-based figure) at
 each concurrency level at the drafter's best setting, its training tokens, seconds and parameters, its validation
-EAL; and the report card's verdict, which picks among them.
+EAL; and the report card's verdict, which picks among them. `held_out_digest` names the held-out prompts (stage 06's
+digest): two JSONs' held-out τ compare only where it is the same.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def report(run_dir: Path, note: str) -> dict[str, Any]:
         alone = load_config(run_dir / "config.yaml").evaluate.serve_side_by_side_kv_gib is None
     return {"note": note, "run": run_dir.name, "servers_alone": alone, "stage_06_finished": bool(serve),
             "concurrency": serve.get("concurrency"), "requests": serve.get("requests"),
-            "max_tokens": serve.get("max_tokens"), "prompts": serve.get("prompts"), "arms": arms,
+            "max_tokens": serve.get("max_tokens"), "prompts": serve.get("prompts"),
+            "held_out_digest": results.get("held_out_digest"), "arms": arms,
             "verdict": (serve.get("verdict") or {}).get("line"),
             "recommended_settings": {c: r.get("setting") for c, r in (serve.get("recommended_settings") or {}).items()},
             "baseline_output_tok_s": {c: lv["baseline"].get("output_throughput")

@@ -203,7 +203,9 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     assert f"{rd.root.name} (peagle)" in table and f"{rd.root.name} (dflash)" in table
     assert table.startswith("**Fastest server per concurrency level**")
     assert serve["reused"] == ["peagle k=2 c=1", "baseline c=1"]
-    arms = algorithms_report(rd.root, "test")["arms"]
+    written = algorithms_report(rd.root, "test")
+    assert written["held_out_digest"] == res["held_out_digest"]  # which held-out prompts its τ are on
+    arms = written["arms"]
     assert list(arms) == ["peagle", "dflash"]
     for a in arms.values():
         assert a["tau_by_benchmark"]["heldout"] >= 1.0 and set(a["speedup_by_concurrency"]) == {"1"}
