@@ -98,9 +98,10 @@ def curve_points(path: Path, drafter: str) -> list[dict]:
     """The points of an earlier curve (this script's JSON) of the same drafter, each marked with the file it comes
     from."""
     curve = json.loads(Path(path).read_text())
-    if curve.get("drafter", "eagle3") != drafter:
-        raise SystemExit(f"{path} measured {title(curve.get('drafter', 'eagle3'))} drafts, not {title(drafter)} "
-                         f"ones: extend a curve with points of its own drafter (--drafter {curve.get('drafter')})")
+    theirs = curve.get("drafter", "eagle3")  # a curve written before --drafter measured EAGLE-3 drafts
+    if theirs != drafter:
+        raise SystemExit(f"{path} measured {title(theirs)} drafts, not {title(drafter)} ones: extend a curve with "
+                         f"points of its own drafter (--drafter {theirs})")
     return [{**p, "from_curve": str(path)} for p in curve["points"]]
 
 

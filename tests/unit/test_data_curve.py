@@ -75,5 +75,5 @@ def test_a_curve_of_dflash_drafts_reads_only_theirs(tmp_path):
     curve = read_data_curve(path)
     assert (curve["drafter"], curve["of"], curve["gain_per_doubling"]) == ("dflash", "τ vllm serve dflash", gain)
     eagle3_curve = REPO / "benchmarks" / "results" / "data_curve_qwen15_muon_h200_2026-12-05.json"
-    with pytest.raises(SystemExit, match="measured EAGLE-3 drafts, not DFlash ones"):
+    with pytest.raises(SystemExit, match=r"measured EAGLE-3 drafts, not DFlash ones: .*\(--drafter eagle3\)"):
         data_curve.curve_points(eagle3_curve, "dflash")
