@@ -13,7 +13,7 @@ every drafter's server and the target alone, one after another (`evaluate.serve_
 user runs one server. `report` writes per drafter (`arms`): τ on the held-out prompts and each benchmark from its
 server's counters (`tau_by_benchmark`), tokens per target step, per-position acceptance, the speedup (output tokens/s
 with ÷ without) and what a step costs in plain steps (`step_cost_by_concurrency`, stage 06's TPOT-based figure) at
-each concurrency level at the drafter's best setting, its training tokens, seconds and parameters, its validation
+each concurrency level at the drafter's best setting (and every setting's speedup: `settings`), its training tokens, seconds and parameters, its validation
 EAL; and the report card's verdict, which picks among them. `held_out_digest` names the held-out prompts (stage 06's
 digest): two JSONs' held-out τ compare only where it is the same.
 """
@@ -73,7 +73,8 @@ def arm(algorithm: str, results: dict[str, Any], trained: dict[str, Any]) -> dic
             "speedup_by_concurrency": {c: b["speedup"] for c, b in best.items()},
             "step_cost_by_concurrency": {c: b["step_cost"] for c, b in best.items()},
             "best_setting_by_concurrency": {c: b["setting"] for c, b in best.items()},
-            "settings": [n for n, st in (serve.get("settings") or {}).items() if st.get("algorithm") == algorithm],
+            "settings": {n: {c: lv.get("output_tok_s_ratio") for c, lv in (st.get("by_level") or {}).items()}
+                         for n, st in (serve.get("settings") or {}).items() if st.get("algorithm") == algorithm},
             "identical": f"{first.get('identical')}/{serve.get('prompts')}" if first else None,
             **training_figures(trained)}
 

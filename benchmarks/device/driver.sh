@@ -83,6 +83,9 @@ print(json.dumps([{**s.model_dump(mode='json', exclude_none=True), **({'limit': 
                    'replies': s.replies * x if s.replies > 1 else 1} for s in load_config(sys.argv[1]).data.sources]))" "$CONFIG" "$1")"; }
 # a run's fork (eagle3lib.common.rundir.fork_run: hard links, no bytes copied): $1 = the run, $2 = the fork's name
 fork() { python3 -c "import sys; from eagle3lib.common.rundir import fork_run; fork_run(*sys.argv[1:])" "outputs/$1" "outputs/$2"; }
+# the config loads with these -p KEY=VALUE overrides: a step checks a later run's before the stages ahead of it
+config_ok() { python3 -c "import sys; from eagle3lib.common.config import load_config
+load_config(sys.argv[1], [a for a in sys.argv[2:] if a != '-p'])" "$CONFIG" "$@"; }
 has_states() { ls outputs/"$1"/manifests/04_*.json >/dev/null 2>&1; }
 # the run gen_data and curve_online work on: $RUN at GEN_SCALE 1 (a config whose sources are already the data
 # wanted), else $RUN-x$GEN_SCALE

@@ -281,6 +281,10 @@ run_step() {
     ta=($ALG_PARAMS -p "train.epochs=${ALG_EPOCHS:-1}" -p "train.train_fraction=${ALG_TRAIN_FRACTION:-1}")
     ea=(-p "evaluate.serve_side_by_side_kv_gib=null" -p "evaluate.benchmark_prompts=${ALG_BENCH_PROMPTS:-40}"
         -p "evaluate.serve_grid=${ALG_GRID:-$ALG_GRID_DEFAULT}")
+    # the joined run's overrides, checked before anything trains: refused there, they would end the step after it
+    if ! config_ok -p "train.algorithms=[${drafters// /, }]" "${ta[@]}" "${ea[@]}" > "$RES/alg_config.log" 2>&1; then
+      step "the joined run's overrides are refused: $(tail -n 1 "$RES/alg_config.log")"; return
+    fi
     unpack_replies "$RUN"
     has_states "$RUN" || { step "stages 00-04 of $RUN"; run_on 0 alg_base --run "$RUN" --stages 00-04 $ALG_PARAMS; }
     step "stage 05 of each of $drafters on a fork of its own (side by side on GPU 0)"

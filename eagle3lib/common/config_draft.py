@@ -272,13 +272,14 @@ class EvaluateSection(Section):
         "num_speculative_tokens_per_batch_size (dynamic k, with known problems under concurrency: the per-level "
         "recommendation picks k per load instead), sampling and rejection methods (the sweep is greedy). Each "
         "drafter's first setting's server also answers evaluate.benchmarks and gives its 'vllm serve' τ row.")
-    data_curve: str | None = Field(
-        None, description="serve method: a data-volume curve (benchmarks/data_curve.py's JSON; relative paths from "
-        "the repo root) the report card's verdict reads to say what one more doubling of the training data would "
-        "give: its last step's τ gain per doubling (the measured drafter's server row where it has one, else "
-        "validation EAL), added only where the fastest setting is that drafter's (the curve's `drafter`, "
-        "benchmarks/data_curve.py --drafter). None = data_curve.json in the run folder when there is one; without "
-        "a curve the verdict says so.")
+    data_curve: str | list[str] | None = Field(
+        None, description="serve method: a data-volume curve, or a list of them (one per drafter) "
+        "(benchmarks/data_curve.py's JSON; relative paths from the repo root) the report card's verdict reads to say "
+        "what one more doubling of the training data would give: the last step's τ gain per doubling (the measured "
+        "drafter's server row where it has one, else validation EAL) of the curve that measured the fastest "
+        "setting's drafter (the curve's `drafter`, benchmarks/data_curve.py --drafter); none of that drafter's, "
+        "no estimate. None = data_curve.json in the run folder when there is one; without a curve the verdict says "
+        "so.")
 
     @field_validator("serve_grid")
     @classmethod
@@ -306,20 +307,28 @@ class EvaluateSection(Section):
     @model_validator(mode="after")
     def _distinct_serve_settings(self) -> EvaluateSection:
         for algorithm in ALGORITHMS:
-            settings = self.serve_settings(algorithm, self.num_draft_tokens)
+            # DFlash's default k is its trained block, which only the checkpoint knows: None stands for it here, so
+            # `{algorithm: dflash}` beside `{algorithm: dflash, num_speculative_tokens: 3}` is two settings
+            settings = self._grid_entries(algorithm, None if algorithm == "dflash" else self.num_draft_tokens)
             for i, s in enumerate(settings):
                 if s in settings[:i]:
                     raise ValueError(f"evaluate.serve_grid lists the setting {s} twice for {algorithm} (an entry "
-                                     "without num_speculative_tokens has the drafter's default k)")
+                                     "without num_speculative_tokens has the drafter's default k: "
+                                     "evaluate.num_draft_tokens, DFlash's whole block)")
         return self
 
-    def serve_settings(self, algorithm: str, default_k: int) -> list[dict[str, Any]]:
-        """evaluate.serve_grid as the serve step runs it for one drafter: the entries for it (those naming it and
-        those naming none), each with its k (`default_k` where it gives none), without the `algorithm` key; no such
-        entry is one setting, `default_k`."""
+    def _grid_entries(self, algorithm: str, default_k: int | None) -> list[dict[str, Any]]:
         k = {"num_speculative_tokens": default_k}
         return [{**k, **{key: v for key, v in entry.items() if key != "algorithm"}}
                 for entry in self.serve_grid if entry.get("algorithm", algorithm) == algorithm] or [k]
+
+    def serve_settings(self, algorithm: str, default_k: int) -> list[dict[str, Any]]:
+        """evaluate.serve_grid as the serve step runs it for one drafter: the entries for it (those naming it and
+        those naming none), each with its k (`default_k` where it gives none), without the `algorithm` key, each
+        setting once (a DFlash block of 4 equals an entry's k = 3 only once the checkpoint is known); no such entry
+        is one setting, `default_k`."""
+        settings = self._grid_entries(algorithm, default_k)
+        return [s for i, s in enumerate(settings) if s not in settings[:i]]
 
     @field_validator("serve_concurrency")
     @classmethod

@@ -79,7 +79,7 @@ from eagle3lib.evaluate.serve_plan import (
     side_by_side_memory,
     write_prompts,
 )
-from eagle3lib.evaluate.serve_verdict import data_curve_path, read_data_curve, recommend, verdict
+from eagle3lib.evaluate.serve_verdict import data_curve_paths, read_data_curve, recommend, verdict
 
 if TYPE_CHECKING:
     from eagle3lib.common.config import WorkbookConfig
@@ -163,7 +163,7 @@ def sweep(stage: StageRun, results: dict[str, Any], progress: bool = True) -> di
     t0 = time.perf_counter()
     results["serve"] = run_serve(cfg, inp, tok, prompts, stage.rd.path("eval", "serve"), dname, device, fingerprint,
                                  bench_items, groups[1] if groups else None, progress=progress)
-    results["serve"]["verdict"] = verdict(results["serve"], read_data_curve(data_curve_path(cfg, stage.rd.root)))
+    results["serve"]["verdict"] = verdict(results["serve"], *map(read_data_curve, data_curve_paths(cfg, stage.rd.root)))
     if rows := results["serve"].pop("benchmark_rows"):
         add_benchmark_rows(results.setdefault("tau_by_benchmark", {}), rows)
     results.setdefault("seconds", {})["serve"] = round(time.perf_counter() - t0, 2)

