@@ -13,9 +13,10 @@ every drafter's server and the target alone, one after another (`evaluate.serve_
 user runs one server. `report` writes per drafter (`arms`): τ on the held-out prompts and each benchmark from its
 server's counters (`tau_by_benchmark`), tokens per target step, per-position acceptance, the speedup (output tokens/s
 with ÷ without) and what a step costs in plain steps (`step_cost_by_concurrency`, stage 06's TPOT-based figure) at
-each concurrency level at the drafter's best setting (and every setting's speedup: `settings`), its training tokens, seconds and parameters, its validation
-EAL; and the report card's verdict, which picks among them. `held_out_digest` names the held-out prompts (stage 06's
-digest): two JSONs' held-out τ compare only where it is the same.
+each concurrency level at the drafter's best setting, every setting's speedup at each level (`settings`), its
+training tokens, seconds and parameters, its validation EAL; and the report card's verdict, which picks among them.
+`held_out_digest` names the held-out prompts (stage 06's digest): two JSONs' held-out τ compare only where it is the
+same.
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         return f"{source}: unknown key '{where}' — fix: {fix} (every key, its default and why: eagle3lib/common/config_data.py and config_draft.py)"
     got = first.get("input")
     got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
-    return f"{source}: '{where}' {first['msg'].lower()}{got_s} — fix: set {where} to a valid value in {source}"
+    msg = first["msg"][:1].lower() + first["msg"][1:]  # pydantic's "Value error, ..."; names and paths as written
+    return f"{source}: '{where}' {msg}{got_s} — fix: set {where} to a valid value in {source}"
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -116,7 +116,8 @@ def test_drafters_config_and_serving_rules():
                                      "{algorithm: dflash}]"]).evaluate
     assert block_and_3.serve_settings("dflash", 15) == [{"num_speculative_tokens": 3}, {"num_speculative_tokens": 15}]
     assert block_and_3.serve_settings("dflash", 3) == [{"num_speculative_tokens": 3}]
-    with pytest.raises(WorkbookError, match="twice for eagle3"):  # EAGLE-3's default k is evaluate.num_draft_tokens
+    # EAGLE-3's default k is evaluate.num_draft_tokens; the message keeps the names as written
+    with pytest.raises(WorkbookError, match="twice for eagle3 .*num_draft_tokens, DFlash's whole block"):
         load_config(None, ["evaluate.serve_grid=[{num_speculative_tokens: 3}, {algorithm: eagle3}]"])
     # the methods that follow the EAGLE-3 draft only are skipped, with why, where none was trained
     run, applied, skipped = methods_for(["offline", "embedded", "serve", "ngram"], ["peagle", "dflash"])
