@@ -34,7 +34,7 @@ def gone(pids: list[int]) -> bool:
 
 
 def test_gen_engines_needs_the_vllm_generator():
-    with pytest.raises(WorkbookError, match="data.gen_engines: 2 starts that many vllm engines, but data.generator is "
+    with pytest.raises(WorkbookError, match="data.gen_engines: 2 starts that many vLLM engines, but data.generator is "
                        "transformers: set data.generator: vllm, or data.gen_engines: 1"):
         load_config(None, ["data.gen_engines=2"])
     with pytest.raises(WorkbookError, match="gen_engines"):
