@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from eagle3lib.common.config_base import BENCHMARK_KINDS, Section, benchmark_name
-from eagle3lib.common.drafters import ALGORITHMS, Algorithm
+from eagle3lib.common.drafters import ALGORITHMS, Algorithm, serves_its_block
 
 # TrainSection fields a drafter may set for itself (train.drafter_settings): what speculators builds and trains the
 # draft with. The rest are run-wide: the data, where the states come from, the processes and the loader.
@@ -309,7 +309,7 @@ class EvaluateSection(Section):
         for algorithm in ALGORITHMS:
             # DFlash's default k is its trained block, which only the checkpoint knows: None stands for it here, so
             # `{algorithm: dflash}` beside `{algorithm: dflash, num_speculative_tokens: 3}` is two settings
-            settings = self._grid_entries(algorithm, None if algorithm == "dflash" else self.num_draft_tokens)
+            settings = self._grid_entries(algorithm, None if serves_its_block(algorithm) else self.num_draft_tokens)
             for i, s in enumerate(settings):
                 if s in settings[:i]:
                     raise ValueError(f"evaluate.serve_grid lists the setting {s} twice for {algorithm} (an entry "

@@ -106,11 +106,16 @@ def trained_tokens(checkpoint: str | Path) -> int:
     return int(methods[0]["speculative_tokens"])
 
 
+def serves_its_block(algorithm: str) -> bool:
+    """Whether a drafter's default k is every draft token it was trained for, which only its checkpoint knows:
+    DFlash (one forward proposes every slot of its block); the chain drafters take evaluate.num_draft_tokens (EAGLE-3
+    and P-EAGLE predict position by position, and deeper positions are accepted less)."""
+    return algorithm == "dflash"
+
+
 def default_k(algorithm: str, checkpoint: str | Path, k: int) -> int:
-    """The k a drafter is served with when evaluate.serve_grid names none: evaluate.num_draft_tokens for the
-    chain drafters (EAGLE-3 and P-EAGLE predict position by position, and deeper positions are accepted less), the
-    whole trained block for DFlash (one forward proposes every slot of it)."""
-    return trained_tokens(checkpoint) if algorithm == "dflash" else k
+    """The k a drafter is served with when evaluate.serve_grid names none (`serves_its_block`)."""
+    return trained_tokens(checkpoint) if serves_its_block(algorithm) else k
 
 
 def speculative_config(algorithm: str, checkpoint: str | Path, k: int) -> dict[str, Any]:

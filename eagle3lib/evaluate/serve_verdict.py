@@ -113,7 +113,7 @@ def verdict(serve: dict[str, Any], *curves: dict[str, Any]) -> dict[str, Any]:
     best = drafter.get(low["setting"], "eagle3")
     # this drafter's curve; else another drafter's (the line says it measured other drafts), else one not found
     found = [c for c in curves if c.get("found")]
-    curve = next((c for c in found if (c.get("drafter") or "eagle3") == best), (found or [*curves, {}])[0])
+    curve = next((c for c in found if c["drafter"] == best), (found or [*curves, {}])[0])
     measured = curve.get("drafter") or "eagle3"
     applies = curve.get("found") and best == measured
     gain = curve.get("gain_per_doubling") if applies else None
